@@ -1,0 +1,71 @@
+"""Grouped GEMM over contiguous token groups: ``y[rows of g] = x[rows of g] @ w[g]``.
+
+``torch._grouped_mm`` is used where this torch build supports it for the device and dtype (probed once
+with a tiny forward + backward, then cached); elsewhere an exact per-group loop of ``torch.mm``.
+Letters: M routed rows, G groups (local experts), K in-features, N out-features.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _native_supported(device_type: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x_MK = torch.randn(4, 16, device=device_type, dtype=dtype, requires_grad=True)
+        w_GKN = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+        offs_G = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+        y_MN = torch._grouped_mm(x_MK, w_GKN, offs=offs_G)
+        y_MN.backward(torch.ones_like(y_MN))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _aligned(*sizes_in_elements: int, dtype: torch.dtype) -> bool:
+    # _grouped_mm needs 16-byte aligned row strides (e.g. multiples of 8 elements in bf16).
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return all(s * itemsize % 16 == 0 for s in sizes_in_elements)
+
+
+def native_grouped_mm_ok(x_MK: torch.Tensor, w_GKN: torch.Tensor) -> bool:
+    return (
+        x_MK.dtype == w_GKN.dtype
+        and _aligned(w_GKN.shape[1], w_GKN.shape[2], dtype=w_GKN.dtype)
+        and _native_supported(x_MK.device.type, x_MK.dtype)
+    )
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: _grouped_mm's backward rejects the stride-0
+    (expanded) gradient that e.g. ``y.sum().backward()`` produces."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+    """Multiply each group of rows of ``x_MK`` (sizes ``counts_G``, in order) by its matrix ``w_GKN[g]``."""
+    if native_grouped_mm_ok(x_MK, w_GKN):
+        offs_G = torch.cumsum(counts_G, dim=0, dtype=torch.int32)
+        return _DenseGrad.apply(torch._grouped_mm(x_MK, w_GKN, offs=offs_G))
+    return per_group_mm(x_MK, w_GKN, counts_G)
+
+
+def per_group_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+    """The exact reference: one ``torch.mm`` per non-empty group (one host sync for the sizes)."""
+    chunks = x_MK.split(counts_G.tolist())
+    outs = [chunk @ w_GKN[g] for g, chunk in enumerate(chunks) if chunk.shape[0] > 0]
+    if not outs:
+        return x_MK.new_zeros(0, w_GKN.shape[2])
+    return torch.cat(outs)

@@ -1,0 +1,60 @@
+"""Model families and the parallel plan each one declares.
+
+A family registers a ``ModelSpec``: how to build it from its hyper-parameters and where its parallel
+units live. ``parallelisms/`` reads only the spec, never module names of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from models.qwen3_moe import Qwen3MoeArgs, Qwen3MoeForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    args_cls: type
+    model_cls: Callable[[Any], nn.Module]
+    hf_architecture: str  # config.json "architectures" entry for export
+    # Parallel plan (FQNs relative to the causal-LM module).
+    embeddings: str = "model.embed_tokens"
+    blocks: str = "model.layers"  # ModuleList of decoder blocks (FSDP units)
+    experts: str = "mlp.experts"  # relative to a block: the GroupedExperts module (EP splits its dim 0)
+    final: tuple[str, ...] = ("model.norm", "lm_head")  # run after the last block
+    # HF checkpoints may nest the text model (multimodal layouts); maps a prefix on disk to ours.
+    hf_prefixes: tuple[tuple[str, str], ...] = (("model.", "model."), ("lm_head.", "lm_head."))
+    # Module with the family's config.json translation and on-disk expert names (see models/hf_io.py).
+    hf_names: str = "models.{model_type}.hf_names"
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> None:
+    _REGISTRY[spec.model_type] = spec
+
+
+def get_spec(model_type: str) -> ModelSpec:
+    if model_type not in _REGISTRY:
+        raise ValueError(f"model.model_type={model_type!r} is not registered; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[model_type]
+
+
+def build_args(model_type: str, arch: dict[str, Any]):
+    """Hyper-parameter dataclass of the family from a dict, rejecting keys the family does not have."""
+    args_cls = get_spec(model_type).args_cls
+    known = {f.name for f in dataclasses.fields(args_cls)}
+    unknown = sorted(set(arch) - known)
+    if unknown:
+        raise ValueError(f"model.arch has keys {unknown} that {model_type} does not know; known: {sorted(known)}")
+    args = args_cls(**arch)
+    args.validate()
+    return args
+
+
+register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))

@@ -1,0 +1,56 @@
+"""Building blocks shared by the model families: RMSNorm and rotary position embeddings.
+
+Shape letters used across models/: B batch, T sequence, D hidden, H query heads, Hkv key/value heads,
+Dh head dim, E experts, K top-k, I expert intermediate, N tokens (B*T), M routed rows (N*K).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)`` with the normalisation in fp32, as transformers' Qwen3 RMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rotary_cos_sin(
+    position_ids_BT: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [B, T, rotary_dim] for ``position_ids_BT``, computed in fp32.
+
+    Computed per call rather than cached in a buffer: it is cheap, and a model built on the meta device
+    then has no buffer that could be left uninitialised.
+    """
+    exponent = torch.arange(0, rotary_dim, 2, device=position_ids_BT.device, dtype=torch.float32) / rotary_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs_BTR = position_ids_BT.float()[..., None] * inv_freq  # R = rotary_dim / 2
+    emb_BTD = torch.cat((freqs_BTR, freqs_BTR), dim=-1)
+    return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of every head (all of them for full rotary)."""
+    rot = cos_BTD.shape[-1]
+    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
+    x_rot, x_pass = x_BHTD[..., :rot], x_BHTD[..., rot:]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot

@@ -1,0 +1,108 @@
+"""Mixture-of-experts pieces shared by the families: softmax top-k router, fused expert weights and
+the local (single-rank) token dispatcher.
+
+The experts delegate token movement to ``self.dispatcher``: the model only ever sees the local one,
+and ``parallelisms/`` swaps in an expert-parallel dispatcher (all-to-all) without the model knowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.grouped_mm import grouped_mm
+
+
+@dataclass
+class RouterStats:
+    """Per-layer routing statistics: what the Switch aux loss and the MoE metrics are made of."""
+
+    counts_E: torch.Tensor  # routed slots per expert (fp32, no grad)
+    prob_sum_E: torch.Tensor  # sum over tokens of the router probability of each expert (fp32, with grad)
+    num_tokens: int
+
+
+class TopKRouter(nn.Module):
+    """``p = softmax(x W^T)`` in fp32, top-k, optional renormalisation; weights back in x's dtype."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+        logits_NE = F.linear(x_ND, self.weight)
+        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        weights_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        num_experts = probs_NE.shape[-1]
+        stats = RouterStats(
+            counts_E=torch.bincount(experts_NK.flatten(), minlength=num_experts).float(),
+            prob_sum_E=probs_NE.sum(dim=0),
+            num_tokens=x_ND.shape[0],
+        )
+        return weights_NK.to(logits_NE.dtype), experts_NK, stats
+
+
+class LocalDispatcher:
+    """All experts live on this rank: sort the routed rows by expert, run them, scatter back."""
+
+    def __call__(self, experts: "GroupedExperts", x_ND: torch.Tensor, experts_NK: torch.Tensor,
+                 weights_NK: torch.Tensor) -> torch.Tensor:
+        order_M, counts_E = sort_by_expert(experts_NK, experts.num_experts)
+        token_M = order_M // experts_NK.shape[1]
+        out_MD = experts.compute(x_ND[token_M], counts_E)
+        return combine(out_MD, weights_NK.flatten()[order_M], token_M, x_ND.shape[0])
+
+
+def sort_by_expert(experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order of the flattened (token, k) slots by expert id, and the slot count per expert."""
+    flat_M = experts_NK.flatten()
+    return torch.argsort(flat_M, stable=True), torch.bincount(flat_M, minlength=num_experts)
+
+
+def combine(out_MD: torch.Tensor, weights_M: torch.Tensor, token_M: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Weight each routed row by its router score and sum the K rows of every token."""
+    out_MD = out_MD * weights_M[:, None].to(out_MD.dtype)
+    y_ND = out_MD.new_zeros(num_tokens, out_MD.shape[1])
+    return y_ND.index_add_(0, token_M, out_MD)
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts stored fused as in transformers 5: gate_up_proj [E, 2I, D] (rows [gate; up]) and
+    down_proj [E, D, I]. Under expert parallelism E is the local expert count."""
+
+    def __init__(self, num_experts: int, dim: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
+        self.dispatcher = LocalDispatcher()
+
+    def forward(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+        return self.dispatcher(self, x_ND, experts_NK, weights_NK)
+
+    def compute(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows of x_MD sorted by local expert (``counts_E`` each) -> expert outputs, same order."""
+        gate_up_M2I = grouped_mm(x_MD, self.gate_up_proj.transpose(-2, -1), counts_E)
+        gate_MI, up_MI = gate_up_M2I.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate_MI) * up_MI, self.down_proj.transpose(-2, -1), counts_E)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, dim: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(num_experts, dim, intermediate)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        weights_NK, experts_NK, stats = self.gate(x_ND)
+        y_ND = self.experts(x_ND, experts_NK, weights_NK)
+        return y_ND.view_as(x_BTD), stats
+

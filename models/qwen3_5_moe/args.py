@@ -1,0 +1,127 @@
+"""Qwen3.5-MoE hyper-parameters, named as in transformers' ``Qwen3_5MoeTextConfig`` (config.json ``text_config``;
+``rope_parameters`` flattened into ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+@dataclass
+class Qwen3_5MoeArgs:
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    # Layer kinds; None: layer i is full attention iff (i + 1) % full_attention_interval == 0 (as transformers).
+    layer_types: list[str] | None = None
+    full_attention_interval: int = 4
+    # Gated full attention.
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10_000_000.0
+    mrope_section: list[int] = field(default_factory=lambda: [11, 11, 10])  # rotary frequencies per t/h/w stream
+    # Gated DeltaNet (linear attention).
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # MoE on every layer: routed experts (top-k, always renormalised) plus one gated shared expert.
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    router_aux_loss_coef: float = 0.001
+    max_position_embeddings: int = 262144
+    initializer_range: float = 0.02
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # int() as transformers: 256 * 0.25 -> 64
+
+    def resolved_layer_types(self) -> list[str]:
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        return [FULL_ATTENTION if (i + 1) % self.full_attention_interval == 0 else LINEAR_ATTENTION
+                for i in range(self.num_hidden_layers)]
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "full_attention_interval", "head_dim",
+                     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.arch.{name}={getattr(self, name)} must be positive")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"model.arch.layer_types has {len(self.layer_types)} entries but "
+                                 f"model.arch.num_hidden_layers={self.num_hidden_layers}")
+            bad = sorted(set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+            if bad:
+                raise ValueError(f"model.arch.layer_types has {bad}; allowed: {FULL_ATTENTION}, {LINEAR_ATTENTION}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"model.arch.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"model.arch.num_key_value_heads={self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"model.arch.linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                             f"model.arch.linear_num_key_heads={self.linear_num_key_heads}")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"model.arch.head_dim={self.head_dim} x model.arch.partial_rotary_factor="
+                             f"{self.partial_rotary_factor} = {self.rotary_dim} rotary channels: must be even, "
+                             "positive and at most head_dim")
+        if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
+            raise ValueError(f"model.arch.mrope_section={self.mrope_section} must be 3 non-negative counts (t, h, w)")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"model.arch.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                             f"model.arch.num_experts={self.num_experts}]")
+
+    def _layer_params(self) -> tuple[int, int, int]:
+        """(full-attention mixer, DeltaNet mixer, MoE block excluding routed experts) parameter counts."""
+        D, d = self.hidden_size, self.head_dim
+        H, Hkv = self.num_attention_heads, self.num_key_value_heads
+        attention = D * 2 * H * d + 2 * D * Hkv * d + H * d * D + 2 * d  # q_proj emits [q | gate]; q/k norms
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        conv_dim = 2 * key_dim + value_dim
+        deltanet = (D * conv_dim + D * value_dim + 2 * D * self.linear_num_value_heads  # in_proj_{qkv,z,b,a}
+                    + conv_dim * self.linear_conv_kernel_dim + 2 * self.linear_num_value_heads  # conv1d, A_log, dt_bias
+                    + self.linear_value_head_dim + value_dim * D)  # gated norm, out_proj
+        moe_dense = self.num_experts * D + 3 * D * self.shared_expert_intermediate_size + D  # router, shared, its gate
+        return attention, deltanet, moe_dense
+
+    def param_counts(self) -> tuple[int, int, int]:
+        """(total, active per token, embedding) parameter counts."""
+        D, E, K = self.hidden_size, self.num_experts, self.num_experts_per_tok
+        attention, deltanet, moe_dense = self._layer_params()
+        types = self.resolved_layer_types()
+        n_full = types.count(FULL_ATTENTION)
+        mixers = n_full * attention + (len(types) - n_full) * deltanet
+        expert = 3 * D * self.moe_intermediate_size
+        dense = mixers + len(types) * (moe_dense + 2 * D) + D  # + two norms per layer, final norm
+        embed = self.vocab_size * D
+        head = 0 if self.tie_word_embeddings else self.vocab_size * D
+        total = embed + head + dense + len(types) * E * expert
+        active = embed + head + dense + len(types) * K * expert
+        return total, active, embed
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x active non-embedding params (LM head included), plus
+
+        - full-attention layers: 12 x heads x head_dim x seq_len (scores and values, forward + backward, no causal
+          halving), as torchtitan counts softmax attention;
+        - DeltaNet layers: 18 x value heads x key dim x value dim, the same 3 x forward convention applied to the
+          recurrence's three state products per token (read S^T k, write k delta^T, read S^T q; 2 FLOPs each per
+          state entry). Independent of seq_len; the chunked form's extra intra-chunk products are not counted,
+          like the masked half of causal attention.
+        """
+        _, active, embed = self.param_counts()
+        types = self.resolved_layer_types()
+        n_full = types.count(FULL_ATTENTION)
+        attention = 12 * n_full * self.num_attention_heads * self.head_dim * seq_len
+        linear = 18 * (len(types) - n_full) * (self.linear_num_value_heads * self.linear_key_head_dim
+                                               * self.linear_value_head_dim)
+        return 6 * (active - embed) + attention + linear

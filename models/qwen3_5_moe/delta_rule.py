@@ -1,0 +1,111 @@
+"""The gated delta rule in plain PyTorch: a chunked form for training and a token-by-token recurrence as its check.
+
+Per value head, with a state S [k, v] (zeros unless ``initial_state``), for t = 1..T:
+
+    S <- e^{g_t} S;    S <- S + k_t beta_t (v_t - S^T k_t)^T;    o_t = S^T (scale q_t)
+
+The signatures follow flash-linear-attention's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``
+(time-major tensors, ``g`` in log space, ``scale`` defaulting to k^-0.5, fp32 final state), so a kernel registry can
+put FLA's kernels in their place. Not supported here: ``cu_seqlens`` (packed variable-length batches).
+
+Letters: B batch, T time, h query/key heads, H value heads (a multiple of h: q/k head i serves value heads
+i*H/h .. (i+1)*H/h - 1, as in FLA and transformers), k key dim, v value dim, C chunk length, N chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last dim, as FLA's kernels (and transformers) normalise q and k."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _head_major_fp32(q_BThk: Tensor, k_BThk: Tensor, v_BTHv: Tensor, g_BTH: Tensor, beta_BTH: Tensor,
+                     scale: float | None, use_qk_l2norm: bool) -> tuple[Tensor, ...]:
+    """[B, H, T, .] fp32 tensors, q and k normalised (if asked) and repeated over their value heads, q scaled."""
+    num_qk_heads, num_v_heads = q_BThk.shape[2], v_BTHv.shape[2]
+    if num_v_heads % num_qk_heads:
+        raise ValueError(f"{num_v_heads} value heads must be a multiple of {num_qk_heads} query/key heads")
+    q_BThk, k_BThk = q_BThk.float(), k_BThk.float()
+    if use_qk_l2norm:
+        q_BThk, k_BThk = l2norm(q_BThk), l2norm(k_BThk)
+    q_BThk = q_BThk * (q_BThk.shape[-1] ** -0.5 if scale is None else scale)
+    q_BTHk, k_BTHk = (x.repeat_interleave(num_v_heads // num_qk_heads, dim=2) for x in (q_BThk, k_BThk))
+    return tuple(x.float().transpose(1, 2) for x in (q_BTHk, k_BTHk, v_BTHv, g_BTH, beta_BTH))
+
+
+def _initial_state(initial_state_BHkv: Tensor | None, v_BHTv: Tensor, k_dim: int) -> Tensor:
+    if initial_state_BHkv is not None:
+        return initial_state_BHkv.float()
+    B, H, _, v_dim = v_BHTv.shape
+    return v_BHTv.new_zeros(B, H, k_dim, v_dim)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """q, k [B, T, h, k]; v [B, T, H, v]; g (log decay, <= 0), beta [B, T, H]; initial_state [B, H, k, v].
+    Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None).
+
+    Within a chunk, with gamma_i the cumulative log decay from the chunk start, the deltas
+    ``delta_i = beta_i (v_i - S_{i-1}^T k_i e^{g_i})`` solve the unit lower-triangular system
+    ``(I + L) delta = beta v - (beta e^gamma k) S_0`` with ``L_ij = beta_i e^{gamma_i - gamma_j} k_i.k_j`` (i > j):
+    two triangular solves per chunk, then one sequential step per chunk instead of per token.
+    """
+    T = q.shape[1]
+    q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT = _head_major_fp32(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    state_BHkv = _initial_state(initial_state, v_BHTv, k_BHTk.shape[-1])
+    # Zero padding at the end is inert: g = 0 and beta = 0 leave the state as it is; its outputs are cut off.
+    C, pad = chunk_size, -T % chunk_size
+    q_BHNCk, k_BHNCk, v_BHNCv = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, C)) for x in (q_BHTk, k_BHTk, v_BHTv))
+    g_BHNC, beta_BHNC = (F.pad(x, (0, pad)).unflatten(2, (-1, C)) for x in (g_BHT, beta_BHT))
+
+    gamma_BHNC = g_BHNC.cumsum(dim=-1)
+    # e^{gamma_i - gamma_j} for j <= i; masked before exp, where the difference is positive and could overflow.
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay_BHNCC = (gamma_BHNC[..., :, None] - gamma_BHNC[..., None, :]).masked_fill(~causal_CC, -torch.inf).exp()
+    kbeta_BHNCk = k_BHNCk * beta_BHNC[..., None]
+    # The solver reads only the strictly lower triangle (unitriangular): that part is L.
+    system_BHNCC = (kbeta_BHNCk @ k_BHNCk.transpose(-1, -2)) * decay_BHNCC
+    u_BHNCv = torch.linalg.solve_triangular(system_BHNCC, v_BHNCv * beta_BHNC[..., None], upper=False,
+                                            unitriangular=True)  # the deltas if the chunk started from S = 0
+    w_BHNCk = torch.linalg.solve_triangular(system_BHNCC, kbeta_BHNCk * gamma_BHNC.exp()[..., None], upper=False,
+                                            unitriangular=True)  # how the chunk's initial state enters them
+    scores_BHNCC = (q_BHNCk @ k_BHNCk.transpose(-1, -2)) * decay_BHNCC  # diagonal included: o_t sees its own update
+    q_read_BHNCk = q_BHNCk * gamma_BHNC.exp()[..., None]  # reads the initial state, decayed up to each token
+    k_write_BHNCk = k_BHNCk * (gamma_BHNC[..., -1:] - gamma_BHNC).exp()[..., None]  # decayed to the chunk end
+    chunk_decay_BHN = gamma_BHNC[..., -1].exp()
+
+    outputs = []
+    for n in range(q_BHNCk.shape[2]):
+        delta_BHCv = u_BHNCv[:, :, n] - w_BHNCk[:, :, n] @ state_BHkv
+        outputs.append(q_read_BHNCk[:, :, n] @ state_BHkv + scores_BHNCC[:, :, n] @ delta_BHCv)
+        state_BHkv = (state_BHkv * chunk_decay_BHN[:, :, n, None, None]
+                      + k_write_BHNCk[:, :, n].transpose(-1, -2) @ delta_BHCv)
+    o_BHTv = torch.cat(outputs, dim=2)[:, :, :T]
+    return o_BHTv.transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None
+
+
+def recurrent_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The recurrence token by token: same arguments and results as ``chunk_gated_delta_rule`` (no chunk_size)."""
+    q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT = _head_major_fp32(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    state_BHkv = _initial_state(initial_state, v_BHTv, k_BHTk.shape[-1])
+    outputs = []
+    for t in range(q_BHTk.shape[2]):
+        k_BHk = k_BHTk[:, :, t]
+        state_BHkv = state_BHkv * g_BHT[:, :, t].exp()[..., None, None]
+        delta_BHv = beta_BHT[:, :, t, None] * (v_BHTv[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_BHk, state_BHkv))
+        state_BHkv = state_BHkv + k_BHk[..., :, None] * delta_BHv[..., None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q_BHTk[:, :, t], state_BHkv))
+    o_BHTv = torch.stack(outputs, dim=2)
+    return o_BHTv.transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None

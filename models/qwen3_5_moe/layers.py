@@ -1,0 +1,124 @@
+"""Qwen3.5-MoE pieces that differ from Qwen3-MoE's: (1 + w) and gated RMSNorms, interleaved MRoPE, gated full
+attention with partial rotary, and the MoE block with a gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.layers import RMSNorm, apply_rotary, rotary_cos_sin
+from models.moe import RouterStats, SparseMoeBlock
+from models.qwen3_5_moe.args import Qwen3_5MoeArgs
+
+
+class OffsetRMSNorm(RMSNorm):
+    """``(1 + w) * x / rms(x)`` with the weight stored as an offset (init 0) and applied in fp32 before the cast back,
+    as transformers' Qwen3_5MoeRMSNorm (layer, final, q and k norms)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+class GatedRMSNorm(RMSNorm):
+    """``w * x / rms(x) * silu(z)``, the gate applied in fp32: DeltaNet's output norm (plain weight, init 1)."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x) * F.silu(z.float())).to(x.dtype)
+
+
+def mrope_streams(rotary_dim: int, mrope_section: list[int]) -> torch.Tensor:
+    """Which position stream (0 t, 1 h, 2 w) drives each of the ``rotary_dim`` channels.
+
+    transformers' interleaved layout: frequency j belongs to h if j % 3 == 1 and j < 3 * section_h, to w if
+    j % 3 == 2 and j < 3 * section_w, else to t; both halves of the rotary channels repeat that pattern.
+    """
+    j = torch.arange(rotary_dim // 2)
+    stream_R = torch.zeros_like(j)
+    stream_R[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+    stream_R[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    return torch.cat((stream_R, stream_R))
+
+
+def mrope_cos_sin(position_ids: torch.Tensor, args: Qwen3_5MoeArgs, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, T, rotary_dim] for position ids [B, T] (text: the three streams are equal, so plain 1-D RoPE)
+    or [3, B, T] (t, h, w streams, mixed per channel as transformers does)."""
+    if position_ids.dim() == 2:
+        return rotary_cos_sin(position_ids, args.rotary_dim, args.rope_theta, dtype)
+    if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+        raise ValueError(f"position_ids must be [B, T] or [3, B, T], got {tuple(position_ids.shape)}")
+    cos_3BTr, sin_3BTr = rotary_cos_sin(position_ids, args.rotary_dim, args.rope_theta, dtype)
+    stream_r = mrope_streams(args.rotary_dim, args.mrope_section).to(position_ids.device)
+    pick_1BTr = stream_r.expand(1, *cos_3BTr.shape[1:])
+    return cos_3BTr.gather(0, pick_1BTr)[0], sin_3BTr.gather(0, pick_1BTr)[0]
+
+
+class GatedAttention(nn.Module):
+    """GQA with (1 + w) q/k norms, RoPE on the first rotary_dim channels of each head, and an output gate:
+    q_proj emits [q_h | gate_h] per head, out = o_proj(attn * sigmoid(gate))."""
+
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_attention_heads, args.num_key_value_heads, args.head_dim)
+        D = args.hidden_size
+        self.q_proj = nn.Linear(D, self.num_heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
+        self.q_norm = OffsetRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BTHd, gate_BTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q_BHTd = self.q_norm(q_BTHd).transpose(1, 2)
+        k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTd, k_BHTd = apply_rotary(q_BHTd, cos_BTr, sin_BTr), apply_rotary(k_BHTd, cos_BTr, sin_BTr)
+        o_BHTd = F.scaled_dot_product_attention(
+            q_BHTd, k_BHTd, v_BHTd, is_causal=True, scale=self.head_dim**-0.5,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        o_BTHd = o_BHTd.transpose(1, 2) * torch.sigmoid(gate_BTHd)
+        return self.o_proj(o_BTHd.reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate x) * up x)``: the shared expert."""
+
+    def __init__(self, dim: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, intermediate, bias=False)
+        self.up_proj = nn.Linear(dim, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts (``gate``, ``experts``: the shared router and GroupedExperts, so expert parallelism applies
+    unchanged) plus a dense shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob).
+        super().__init__(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+                         norm_topk_prob=True)
+        self.shared_expert = SwiGLU(args.hidden_size, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        routed_BTD, stats = super().forward(x_BTD)
+        shared_BTD = torch.sigmoid(self.shared_expert_gate(x_BTD)) * self.shared_expert(x_BTD)
+        return routed_BTD + shared_BTD, stats

@@ -1,0 +1,93 @@
+"""Qwen3.5-MoE (text) in plain PyTorch, numerically the same model as transformers' ``Qwen3_5MoeForCausalLM``.
+
+Parameter names equal transformers 5's in-memory names, so a transformers state dict loads as is. Layers mix
+Gated DeltaNet (``linear_attn``) and gated full attention (``self_attn``); every layer has the MoE block.
+No parallel plumbing here: ``parallelisms/`` shards this module from the outside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from models.layers import RMSNorm
+from models.moe import GroupedExperts, RouterStats, TopKRouter
+from models.qwen3_5_moe.args import FULL_ATTENTION, Qwen3_5MoeArgs
+from models.qwen3_5_moe.deltanet import GatedDeltaNet
+from models.qwen3_5_moe.layers import GatedAttention, OffsetRMSNorm, SharedExpertMoeBlock, mrope_cos_sin
+from models.qwen3_moe.model import CausalLMOutput
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: Qwen3_5MoeArgs, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
+        if layer_type == FULL_ATTENTION:
+            self.self_attn = GatedAttention(args)
+        else:
+            self.linear_attn = GatedDeltaNet(args)
+        self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = SharedExpertMoeBlock(args)
+
+    def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor
+                ) -> tuple[torch.Tensor, RouterStats]:
+        h_BTD = self.input_layernorm(x_BTD)
+        if self.layer_type == FULL_ATTENTION:
+            x_BTD = x_BTD + self.self_attn(h_BTD, cos_BTr, sin_BTr)
+        else:
+            x_BTD = x_BTD + self.linear_attn(h_BTD)  # position comes from the recurrence, not from RoPE
+        moe_BTD, stats = self.mlp(self.post_attention_layernorm(x_BTD))
+        return x_BTD + moe_BTD, stats
+
+
+class Qwen3_5MoeModel(nn.Module):
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, kind) for kind in args.resolved_layer_types())
+        self.norm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, list[RouterStats]]:
+        h_BTD = self.embed_tokens(input_ids_BT)
+        cos_BTr, sin_BTr = mrope_cos_sin(position_ids, self.args, h_BTD.dtype)
+        stats = []
+        for layer in self.layers:
+            h_BTD, layer_stats = layer(h_BTD, cos_BTr, sin_BTr)
+            stats.append(layer_stats)
+        return self.norm(h_BTD), stats
+
+
+class Qwen3_5MoeForCausalLM(nn.Module):
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Qwen3_5MoeModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None) -> CausalLMOutput:
+        """``position_ids`` [B, T], or [3, B, T] multimodal (t, h, w) streams; default 0..T-1 for every row."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
+        h_BTD, stats = self.model(input_ids_BT, position_ids)
+        return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' init: N(0, initializer_range) for matrices, convolutions and embeddings; (1 + w) norms 0,
+        the gated norm 1; DeltaNet's dt_bias 1 and A_log = log U(0.01, 16)."""
+        std = self.args.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, (RMSNorm, GatedDeltaNet)):
+                module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                nn.init.normal_(module.gate_up_proj, std=std)
+                nn.init.normal_(module.down_proj, std=std)
+            elif isinstance(module, TopKRouter):
+                nn.init.normal_(module.weight, std=std)

@@ -1,0 +1,117 @@
+"""Qwen3-MoE in plain PyTorch, numerically the same model as transformers' ``Qwen3MoeForCausalLM``.
+
+Parameter names equal transformers 5's in-memory names, so a transformers state dict loads as is.
+No parallel plumbing here: ``parallelisms/`` shards this module from the outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.layers import RMSNorm, apply_rotary, rotary_cos_sin
+from models.moe import GroupedExperts, RouterStats, SparseMoeBlock, TopKRouter
+from models.qwen3_moe.args import Qwen3MoeArgs
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V]
+    router_stats: list[RouterStats]  # one per MoE layer
+
+
+class Attention(nn.Module):
+    """GQA with per-head RMSNorm on q and k before RoPE, through torch SDPA."""
+
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_attention_heads, args.num_key_value_heads, args.head_dim)
+        D = args.hidden_size
+        self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def forward(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BHTd = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTd, k_BHTd = apply_rotary(q_BHTd, cos_BTd, sin_BTd), apply_rotary(k_BHTd, cos_BTd, sin_BTd)
+        o_BHTd = F.scaled_dot_product_attention(
+            q_BHTd, k_BHTd, v_BHTd, is_causal=True, scale=self.head_dim**-0.5,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(o_BHTd.transpose(1, 2).reshape(B, T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = SparseMoeBlock(args.hidden_size, args.num_experts, args.num_experts_per_tok,
+                                  args.moe_intermediate_size, args.norm_topk_prob)
+
+    def forward(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor
+                ) -> tuple[torch.Tensor, RouterStats]:
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_BTd, sin_BTd)
+        moe_BTD, stats = self.mlp(self.post_attention_layernorm(x_BTD))
+        return x_BTD + moe_BTD, stats
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor
+                ) -> tuple[torch.Tensor, list[RouterStats]]:
+        h_BTD = self.embed_tokens(input_ids_BT)
+        cos_BTd, sin_BTd = rotary_cos_sin(position_ids_BT, self.args.head_dim, self.args.rope_theta, h_BTD.dtype)
+        stats = []
+        for layer in self.layers:
+            h_BTD, layer_stats = layer(h_BTD, cos_BTd, sin_BTd)
+            stats.append(layer_stats)
+        return self.norm(h_BTD), stats
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Qwen3MoeModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor | None = None) -> CausalLMOutput:
+        if position_ids_BT is None:
+            position_ids_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
+        h_BTD, stats = self.model(input_ids_BT, position_ids_BT)
+        return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' init: N(0, initializer_range) for matrices and embeddings, ones for norms."""
+        std = self.args.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                nn.init.normal_(module.gate_up_proj, std=std)
+                nn.init.normal_(module.down_proj, std=std)
+            elif isinstance(module, TopKRouter):
+                nn.init.normal_(module.weight, std=std)

@@ -1,0 +1,43 @@
+"""Activation checkpointing of the decoder blocks: none, full (recompute the whole block in backward) or
+selective (keep the outputs of the expensive ops, recompute the cheap elementwise ones).
+
+The composable ``checkpoint`` hooks the block in place, so parameter names (and with them state dicts,
+loaders and FSDP units) stay exactly as without checkpointing; a wrapper module would add a prefix.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# Saved under selective checkpointing: matmuls and attention (the FLOPs) and the collectives (recomputing an
+# all-to-all would repeat the communication and its host sync in backward).
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVED_OPS.add(torch.ops.aten._grouped_mm.default)
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:
+    """Checkpoint every block as ``mode`` says (a validated parallel.activation_checkpoint)."""
+    if mode == "none":
+        return
+    context_fn = partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None
+    for block in blocks:
+        checkpoint(block, context_fn=context_fn)

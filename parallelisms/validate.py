@@ -1,0 +1,74 @@
+"""Every check of the parallel config that needs no process group: pure arithmetic on the world size.
+
+Errors name the dotted key, the numbers and a fix. Features that are designed but not built yet raise
+NotImplementedError saying so, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from parallelisms.config import ACTIVATION_CHECKPOINT_MODES, BACKENDS, CP_MODES, ParallelConfig
+from parallelisms.dispatchers import dispatcher_class
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: int) -> None:
+    b = cfg.backend
+    _check(b.name in BACKENDS, f"parallel.backend.name={b.name!r} is unknown; choose one of {', '.join(BACKENDS)}")
+    dispatcher_class(b.ep_dispatcher)  # unknown or not-yet-implemented names fail here, before any group
+    _check(cfg.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES,
+           f"parallel.activation_checkpoint={cfg.activation_checkpoint!r} must be one of "
+           f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
+    _check(cfg.dist_timeout > 0, f"parallel.dist_timeout={cfg.dist_timeout} must be a positive number of seconds")
+    _check(cfg.cp_mode in CP_MODES, f"parallel.cp_mode={cfg.cp_mode!r} must be one of {', '.join(CP_MODES)}")
+
+    # Topology: world = dp x cp = mp_replicate x mp_shard.
+    cp = cfg.cp_size
+    _check(cp >= 1 and world_size % cp == 0,
+           f"parallel.cp_size={cp} must divide the world size {world_size}; fix: one of {_divisors(world_size)}")
+    if cp > 1:
+        raise NotImplementedError(f"parallel.cp_size={cp}: context parallelism is not yet supported (it arrives "
+                                  "with its own issue); fix: parallel.cp_size=1")
+    dp = world_size // cp
+    _check(cfg.dp_size in (-1, dp), f"parallel.dp_size={cfg.dp_size} must equal world size {world_size} / "
+                                    f"parallel.cp_size {cp} = {dp}; fix: parallel.dp_size=-1 (derived)")
+    rep = cfg.mp_replicate_size
+    _check(rep >= 1 and world_size % rep == 0, f"parallel.mp_replicate_size={rep} must divide the world size "
+                                               f"{world_size}; fix: one of {_divisors(world_size)}")
+    _check(cfg.mp_shard_size in (-1, world_size // rep),
+           f"parallel.mp_shard_size={cfg.mp_shard_size} must equal world size {world_size} / "
+           f"parallel.mp_replicate_size {rep} = {world_size // rep}; fix: parallel.mp_shard_size=-1 (derived)")
+
+    # Experts: dp = edp x efsdp x ep.
+    ep = b.ep_size
+    _check(ep >= 1 and dp % ep == 0, f"parallel.backend.ep_size={ep} must divide dp={dp} (world {world_size} / "
+                                     f"cp {cp}); fix: parallel.backend.ep_size one of {_divisors(dp)}")
+    _check(num_experts % ep == 0,
+           f"parallel.backend.ep_size={ep} must divide model.arch.num_experts={num_experts} (each EP rank holds "
+           f"num_experts / ep experts); fix: parallel.backend.ep_size one of "
+           f"{[d for d in _divisors(dp) if num_experts % d == 0]}")
+    efsdp = b.efsdp_size
+    _check(efsdp == -1 or (efsdp >= 1 and (dp // ep) % efsdp == 0),
+           f"parallel.backend.efsdp_size={efsdp} must divide dp/ep={dp // ep} (dp {dp} / ep {ep}); fix: "
+           f"parallel.backend.efsdp_size one of {_divisors(dp // ep)}, or -1 for dp/ep (no expert replication)")
+
+    # What each backend can do.
+    if b.name == "none":
+        _check(world_size == 1, f"parallel.backend.name=none runs one process but WORLD_SIZE={world_size}; "
+                                "fix: a multi-process preset such as parallel=fsdp2, ddp or ep2")
+        return
+    _check(world_size > 1, f"parallel.backend.name={b.name} needs more than one process (WORLD_SIZE=1); fix: "
+                           "launch with torchrun --nproc-per-node N, or use parallel=single")
+    if b.name == "ddp":
+        sharded = {"parallel.backend.ep_size": (ep, 1), "parallel.mp_replicate_size": (rep, 1),
+                   "parallel.backend.fsdp_ignored_modules": (list(b.fsdp_ignored_modules), [])}
+        for key, (value, plain) in sharded.items():
+            _check(value == plain, f"{key}={value}: parallel.backend.name=ddp replicates every parameter and "
+                                   f"shards nothing; fix: parallel.backend.name=fsdp2 (or {key}={plain})")

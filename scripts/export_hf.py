@@ -1,0 +1,60 @@
+"""Export a training run's final weights as a Hugging Face directory.
+
+    python scripts/export_hf.py <run-dir | run-dir/model.safetensors> <out-dir> [--dtype bfloat16]
+
+Reads ``model.safetensors`` (our names, fused experts, full tensors) and the resolved ``config.yaml`` beside it
+(``model.model_type``, ``model.arch``); writes what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as `python scripts/export_hf.py`
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from models import build_args  # noqa: E402
+from models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_state_dict_hf  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_files(path: Path) -> tuple[Path, Path]:
+    """(weights, config.yaml) of a run directory or of a .safetensors file inside one."""
+    weights = path / "model.safetensors" if path.is_dir() else path
+    config = weights.parent / "config.yaml"
+    for file, what in ((weights, "weights"), (config, "resolved run config")):
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found ({what}); expected a run directory holding "
+                                    "model.safetensors and config.yaml, or the path of its .safetensors file")
+    return weights, config
+
+
+def model_type_and_args(config_yaml: Path) -> tuple[str, object]:
+    model = (yaml.safe_load(config_yaml.read_text()) or {}).get("model") or {}
+    if not model.get("model_type") or not model.get("arch"):
+        raise ValueError(f"{config_yaml} lacks model.model_type or model.arch: was it written by train.py?")
+    return model["model_type"], build_args(model["model_type"], model["arch"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="run directory, or the model.safetensors inside it")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: as saved)")
+    parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    opts = parser.parse_args(argv)
+    weights, config_yaml = run_files(opts.checkpoint)
+    model_type, args = model_type_and_args(config_yaml)
+    export_state_dict_hf(load_file(weights), model_type, args, opts.out_dir,
+                         max_shard_bytes=opts.max_shard_bytes, dtype=DTYPES.get(opts.dtype))
+    print(f"exported {weights} ({model_type}) to {opts.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

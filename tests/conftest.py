@@ -1,0 +1,53 @@
+"""Shared fixtures: compose the real Hydra config in tests, with small synthetic token data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from training.config import TrainConfig, register_schema
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+# A debug model small enough that a training step takes milliseconds.
+TINY_MODEL = [
+    "model.arch.vocab_size=256", "model.arch.hidden_size=32", "model.arch.num_attention_heads=4",
+    "model.arch.num_key_value_heads=2", "model.arch.head_dim=8", "model.arch.moe_intermediate_size=16",
+]
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    """The TrainConfig that ``python train.py <overrides>`` would run with."""
+    register_schema()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+
+
+def write_tokens(path: Path, num_tokens: int, vocab_size: int = 256, seed: int = 0) -> Path:
+    """A .npy token corpus with learnable structure (a noisy repeating pattern)."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, vocab_size, size=97)
+    ids = np.resize(base, num_tokens)
+    noise = rng.random(num_tokens) < 0.05
+    ids[noise] = rng.integers(0, vocab_size, size=int(noise.sum()))
+    np.save(path, ids.astype(np.int64))
+    return path
+
+
+@pytest.fixture
+def tiny_run_config(tmp_path):
+    """Factory: a TrainConfig for the tiny model on synthetic tokens, writing into tmp_path."""
+
+    def make(*overrides: str, num_tokens: int = 4096) -> TrainConfig:
+        data = write_tokens(tmp_path / "tokens.npy", num_tokens)
+        return compose_config([*TINY_MODEL, "data=tokens", f"data.path={data}", "data.seq_len=32",
+                               f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}",
+                               "train.local_batch_size=4", "logging.tensorboard=false", *overrides])
+
+    torch.manual_seed(0)
+    return make

@@ -1,0 +1,271 @@
+"""Tokenizer and packed data loader: tokenization, masking, order, dp slicing, resume, config errors."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from training.data import IGNORE_INDEX, DataConfig, build_data_loader, validate_data_config
+from training.tokenizer import QwenTokenizer
+
+CHITCHAT_JSON = Path(str(importlib.resources.files("chitchat_dataset") / "dataset.json"))
+
+
+def _loader(cfg: DataConfig, *, seed: int = 0, batch: int = 2, dp_rank: int = 0, dp_size: int = 1):
+    return build_data_loader(cfg, seed=seed, local_batch_size=batch, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def _write_tokens(tmp_path: Path, n: int = 1000, dtype=np.int32) -> DataConfig:
+    """ids 0..n-1, so every window is a run of consecutive ids and identifies itself."""
+    path = tmp_path / "ids.npy"
+    np.save(path, np.arange(n, dtype=dtype))
+    return DataConfig(name="tokens", path=str(path), seq_len=9, cache_dir=str(tmp_path / "cache"))
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@pytest.fixture(scope="module")
+def chitchat_texts() -> list[str]:
+    convs = json.loads(CHITCHAT_JSON.read_bytes()).values()
+    texts = [u["text"] for conv in convs for group in conv["messages"] for u in group]
+    return random.Random(0).sample(texts, 500)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_round_trip_on_real_chitchat_text(name: str, chitchat_texts: list[str]) -> None:
+    tok = QwenTokenizer(name)
+    for text in chitchat_texts:
+        assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(" ".join(chitchat_texts))) < len(" ".join(chitchat_texts)) / 2  # really BPE
+
+
+@pytest.mark.parametrize(
+    "name, vocab_size, eos, im_start, im_end",
+    [("qwen3", 151_669, 151_643, 151_644, 151_645), ("qwen3_5", 248_077, 248_044, 248_045, 248_046)],
+)
+def test_vocabularies(name: str, vocab_size: int, eos: int, im_start: int, im_end: int) -> None:
+    tok = QwenTokenizer(name)
+    assert (tok.vocab_size, tok.eos_id, tok.im_start_id, tok.im_end_id) == (vocab_size, eos, im_start, im_end)
+    assert tok.decode([tok.eos_id, tok.im_start_id, tok.im_end_id]) == "<|endoftext|><|im_start|><|im_end|>"
+
+
+def test_special_token_text_in_data_stays_ordinary_text() -> None:
+    tok = QwenTokenizer()
+    text = "<|im_start|>assistant\nI am root<|im_end|><|endoftext|><think>"
+    ids = tok.encode(text)
+    assert max(ids) < tok.eos_id  # no special ids at all
+    assert tok.decode(ids) == text
+
+
+def test_render_chat_layout_and_mask() -> None:
+    tok = QwenTokenizer()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "See you."},
+    ]
+    ids, mask = tok.render_chat(messages)
+    assert len(ids) == len(mask)
+    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    assert tok.decode(ids) == expected
+    assert ids.count(tok.im_start_id) == ids.count(tok.im_end_id) == 5
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert trained == tok.encode("Hello!") + [tok.im_end_id] + tok.encode("See you.") + [tok.im_end_id]
+
+
+def test_bad_tokenizer_name() -> None:
+    with pytest.raises(ValueError, match="qwen3, qwen3_5"):
+        QwenTokenizer("llama")
+
+
+# ---------------------------------------------------------------- sources
+
+
+def _all_windows(cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of every window, in a deterministic order (one batch of all windows)."""
+    n = _loader(cfg).num_windows
+    batch = next(_loader(cfg, batch=n))
+    return batch["input_ids"], batch["labels"]
+
+
+def _expected_labels(stream: list[int], mask: list[bool] | None, seq_len: int) -> dict[tuple, list[int]]:
+    """input_ids window -> its expected labels."""
+    out = {}
+    for start in range(0, len(stream) - seq_len, seq_len + 1):
+        w, m = stream[start : start + seq_len + 1], (mask or [True] * len(stream))[start : start + seq_len + 1]
+        out[tuple(w[:-1])] = [t if keep else IGNORE_INDEX for t, keep in zip(w[1:], m[1:])]
+    return out
+
+
+def test_jsonl_text_documents(tmp_path: Path) -> None:
+    tok = QwenTokenizer()
+    texts = [f"Document number {i} talks about topic {i * 7}." for i in range(40)]
+    _write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    cfg = DataConfig(name="jsonl", path=str(tmp_path / "d.jsonl"), seq_len=16, cache_dir=str(tmp_path))
+    stream = [i for t in texts for i in tok.encode(t) + [tok.eos_id]]
+    inputs, labels = _all_windows(cfg)
+    expected = _expected_labels(stream, None, cfg.seq_len)
+    assert len(inputs) == len(expected) == len(stream) // 17
+    for x, y in zip(inputs.tolist(), labels.tolist()):
+        assert expected[tuple(x)] == y
+    # plain text is fully trained even with the assistant-only mask
+    assert torch.equal(_all_windows(DataConfig(**{**vars(cfg), "mask_non_assistant": True}))[1], labels)
+
+
+@pytest.mark.parametrize("mask_non_assistant", [False, True])
+def test_jsonl_chat_messages(tmp_path: Path, mask_non_assistant: bool) -> None:
+    tok = QwenTokenizer()
+    convs = [
+        [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+         {"role": "assistant", "content": f"It is {2 * i}."}]
+        for i in range(30)
+    ]
+    _write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in convs] + [{"text": "A plain document."}])
+    cfg = DataConfig(name="jsonl", path=str(tmp_path / "c.jsonl"), seq_len=12, cache_dir=str(tmp_path),
+                     mask_non_assistant=mask_non_assistant)
+    stream, mask = [], []
+    for m in convs:
+        ids, msk = tok.render_chat(m)
+        stream += ids + [tok.eos_id]
+        mask += msk + [False]
+    plain = tok.encode("A plain document.") + [tok.eos_id]
+    stream, mask = stream + plain, mask + [True] * len(plain)
+    inputs, labels = _all_windows(cfg)
+    expected = _expected_labels(stream, mask if mask_non_assistant else None, cfg.seq_len)
+    for x, y in zip(inputs.tolist(), labels.tolist()):
+        assert expected[tuple(x)] == y
+    assert ((labels == IGNORE_INDEX).any().item()) == mask_non_assistant
+
+
+def test_jsonl_line_without_text_or_messages(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, {"prompt": "no"}])
+    cfg = DataConfig(name="jsonl", path=str(tmp_path / "bad.jsonl"), cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="line 2"):
+        _loader(cfg)
+
+
+def test_chitchat_rendering_and_cache(tmp_path: Path) -> None:
+    """Speakers alternate user/assistant, a speaker's consecutive messages join with a newline."""
+    def conv(i: int) -> dict:
+        a, b = {"sender": "a"}, {"sender": "b"}
+        return {"messages": [[{**a, "text": f"Hello {i}"}, {**a, "text": "How are you?"}],
+                             [{**b, "text": "good"}], [{**a, "text": "nice"}]]}
+
+    (tmp_path / "cc.json").write_text(json.dumps({f"id{i}": conv(i) for i in range(20)}))
+    cfg = DataConfig(name="chitchat", path=str(tmp_path / "cc.json"), seq_len=8, cache_dir=str(tmp_path / "cache"),
+                     mask_non_assistant=True)
+    tok = QwenTokenizer()
+    stream, mask = [], []
+    for i in range(20):
+        messages = [{"role": "user", "content": f"Hello {i}\nHow are you?"}, {"role": "assistant", "content": "good"},
+                    {"role": "user", "content": "nice"}]
+        ids, msk = tok.render_chat(messages)
+        stream, mask = stream + ids + [tok.eos_id], mask + msk + [False]
+    assert tok.decode(stream).startswith("<|im_start|>user\nHello 0\nHow are you?<|im_end|>\n<|im_start|>assistant\n"
+                                         "good<|im_end|>\n<|im_start|>user\nnice<|im_end|>\n<|endoftext|><|im_start|>")
+    inputs, labels = _all_windows(cfg)
+    expected = _expected_labels(stream, mask, cfg.seq_len)
+    assert len(inputs) == len(stream) // 9
+    for x, y in zip(inputs.tolist(), labels.tolist()):
+        assert expected[tuple(x)] == y
+    assert len(list((tmp_path / "cache").glob("*.npy"))) == 1  # tokenized once, reused
+
+
+def test_real_chitchat_corpus(tmp_path: Path) -> None:
+    cfg = DataConfig(cache_dir=str(tmp_path), mask_non_assistant=True)
+    loader = _loader(cfg, batch=4)
+    assert loader.num_windows * 257 > 3_000_000  # ~3.7M qwen3 tokens
+    batch = next(loader)
+    trained = batch["labels"] != IGNORE_INDEX
+    assert 0 < trained.float().mean() < 1
+    assert not torch.isin(batch["labels"][trained], torch.tensor([151_643, 151_644])).any()
+
+
+def test_tokens_npy_and_bin(tmp_path: Path) -> None:
+    cfg = _write_tokens(tmp_path, n=1000, dtype=np.int16)
+    (tmp_path / "ids.bin").write_bytes(np.arange(1000, dtype="<u4").tobytes())
+    cfg_bin = DataConfig(**{**vars(cfg), "path": str(tmp_path / "ids.bin")})
+    a, b = _loader(cfg, batch=3), _loader(cfg_bin, batch=3)
+    assert a.num_windows == b.num_windows == 100 and a.vocab_size == b.vocab_size == 1000
+    for _ in range(5):
+        x, y = next(a), next(b)
+        assert all(torch.equal(x[k], y[k]) for k in x)
+        assert x["input_ids"].dtype == x["labels"].dtype == x["position_ids"].dtype == torch.int64
+        assert x["input_ids"].shape == (3, 9)
+        assert torch.equal(x["labels"], x["input_ids"] + 1)
+        assert torch.equal(x["input_ids"][:, 0] % 10, torch.zeros(3, dtype=torch.int64))  # window starts
+        assert torch.equal(x["position_ids"], torch.arange(9).expand(3, 9))
+
+
+# ---------------------------------------------------------------- order, dp slicing, resume
+
+
+def _take(loader, n: int) -> list[torch.Tensor]:
+    return [next(loader)["input_ids"] for _ in range(n)]
+
+
+def test_order_is_seeded_and_reshuffled_per_epoch(tmp_path: Path) -> None:
+    cfg = _write_tokens(tmp_path, n=200)  # 20 windows, 5 batches of 4 per epoch
+    first = _take(_loader(cfg, seed=1, batch=4), 10)
+    assert all(torch.equal(x, y) for x, y in zip(first, _take(_loader(cfg, seed=1, batch=4), 10)))
+    assert not all(torch.equal(x, y) for x, y in zip(first, _take(_loader(cfg, seed=2, batch=4), 10)))
+    epoch0, epoch1 = torch.cat(first[:5])[:, 0], torch.cat(first[5:])[:, 0]
+    assert sorted(epoch0.tolist()) == sorted(epoch1.tolist()) == list(range(0, 200, 10))  # each window once
+    assert not torch.equal(epoch0, epoch1)
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_dp_ranks_partition_the_global_batch(tmp_path: Path, dp_size: int) -> None:
+    cfg = _write_tokens(tmp_path, n=300)  # 30 windows: global batch 8 leaves a tail, so epochs wrap
+    single = _loader(cfg, seed=3, batch=8)
+    ranks = [_loader(cfg, seed=3, batch=8 // dp_size, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
+    for _ in range(9):
+        expected = next(single)
+        got = [next(r) for r in ranks]
+        for key in expected:
+            assert torch.equal(torch.cat([g[key] for g in got]), expected[key])
+
+
+def test_state_dict_resume(tmp_path: Path) -> None:
+    cfg = _write_tokens(tmp_path, n=300)
+    loader = _loader(cfg, seed=5, batch=4)
+    _take(loader, 9)  # into the second epoch
+    state = loader.state_dict()
+    assert state == {"epoch": 1, "position": 8} and all(type(v) is int for v in state.values())
+    fresh = _loader(cfg, seed=5, batch=4)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(_take(loader, 10), _take(fresh, 10)))
+
+
+# ---------------------------------------------------------------- config errors
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="data.name"):
+        validate_data_config(DataConfig(name="c4"))
+    with pytest.raises(ValueError, match="data.seq_len"):
+        validate_data_config(DataConfig(seq_len=0))
+    with pytest.raises(ValueError, match="data.tokenizer"):
+        validate_data_config(DataConfig(tokenizer="gpt2"))
+    with pytest.raises(ValueError, match="data.path"):
+        validate_data_config(DataConfig(name="jsonl"))
+    with pytest.raises(FileNotFoundError, match="data.path.*nope.jsonl"):
+        validate_data_config(DataConfig(name="jsonl", path=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(ValueError, match="data.mask_non_assistant"):
+        validate_data_config(DataConfig(name="tokens", path="x.npy", mask_non_assistant=True))
+    cfg = _write_tokens(tmp_path, n=50)  # 5 windows
+    with pytest.raises(ValueError, match="too small.*data.seq_len"):
+        _loader(cfg, batch=3, dp_size=2)

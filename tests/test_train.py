@@ -1,0 +1,117 @@
+"""The training loop end to end on one process: it learns, it measures, it fails early on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from safetensors.torch import load_file
+
+import train
+from models import build_args, get_spec
+from tests.conftest import TINY_MODEL, compose_config
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED_METRICS = {"step", "loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_device",
+                    "mfu", "peak_mem_gib"}
+
+
+def test_loss_on_a_fixed_batch_falls_far_below_its_start(tiny_run_config):
+    # 4 windows of 33 tokens = exactly one global batch, so every step sees the same data.
+    cfg = tiny_run_config("train.steps=40", "optim.lr=1e-2", "optim.warmup_steps=2", num_tokens=4 * 33)
+    history = train.run(cfg)
+    assert [m["step"] for m in history] == list(range(1, 41))
+    assert history[-1]["loss"] < 0.25 * history[0]["loss"]
+
+
+def test_run_directory_holds_config_metrics_tensorboard_and_weights(tiny_run_config):
+    cfg = tiny_run_config("train.steps=3", "logging.tensorboard=true")
+    history = train.run(cfg)
+    run_dir = Path(cfg.train.output_dir)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines == json.loads(json.dumps(history))
+    assert all(REQUIRED_METRICS <= set(m) for m in lines)
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert "num_experts: 8" in (run_dir / "config.yaml").read_text()
+    weights = load_file(run_dir / "model.safetensors")
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 32, 32)
+
+
+def test_steps_zero_logs_first_batch_loss_without_updating(tiny_run_config):
+    cfg = tiny_run_config("train.steps=0")
+    history = train.run(cfg)
+    assert [m["step"] for m in history] == [0]
+    # Nothing was updated: the saved weights are the seeded initialisation.
+    saved = load_file(Path(cfg.train.output_dir) / "model.safetensors")
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta"):  # as train.run builds it: meta construction draws no random numbers
+        fresh = get_spec("qwen3_moe").model_cls(build_args("qwen3_moe", dict(cfg.model.arch)))
+    fresh.to_empty(device="cpu").init_weights()
+    for name, tensor in fresh.state_dict().items():
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
+    # Step 0 is the loss that step 1 starts from: same init, same first batch.
+    first = train.run(tiny_run_config("train.steps=1"))[0]
+    assert history[0]["loss"] == pytest.approx(first["loss"], rel=1e-6)
+
+
+def test_grad_accumulation_equals_the_larger_batch(tiny_run_config):
+    # The aux loss is a product of batch means, so it is defined per global micro-batch: accumulation
+    # changes it by design. The cross-entropy part must not change at all.
+    no_aux = "model.arch.router_aux_loss_coef=0.0"
+    big = train.run(tiny_run_config("train.steps=3", "train.local_batch_size=4", no_aux))
+    accum = train.run(tiny_run_config("train.steps=3", "train.local_batch_size=2", "train.grad_accum_steps=2", no_aux))
+    for a, b in zip(big, accum):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_unknown_config_key_is_rejected_by_name():
+    with pytest.raises(ConfigCompositionException, match="num_expert"):
+        compose_config(["model.arch.num_expert=4"])
+    cfg = compose_config(["+model.arch.num_expert=4"])  # slips past Hydra (arch is free-form) ...
+    with pytest.raises(ValueError, match=r"model.arch has keys \['num_expert'\]"):  # ... but not the family
+        train.run(cfg)
+    with pytest.raises(ConfigCompositionException, match="stepz"):
+        compose_config(["train.stepz=3"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.arch.num_experts_per_tok=9", r"model.arch.num_experts_per_tok=9 must be in \[1, model.arch.num_experts=8\]"),
+    ("model.arch.num_key_value_heads=3", "model.arch.num_attention_heads=4 must be a multiple of"),
+    ("train.local_batch_size=0", "train.local_batch_size=0 must be positive"),
+    ("data.seq_len=0", "data.seq_len"),
+    ("optim.lr=-1", "optim.lr=-1.0 must be positive"),
+])
+def test_impossible_sizes_fail_early_naming_the_key(tiny_run_config, override, message):
+    with pytest.raises(ValueError, match=message):
+        train.run(tiny_run_config(override))
+
+
+def test_missing_data_file_names_the_key(tiny_run_config, tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        train.run(tiny_run_config(f"data.path={tmp_path / 'nope.npy'}"))
+
+
+def test_vocabulary_smaller_than_the_data_is_rejected(tmp_path):
+    from tests.conftest import write_tokens
+    data = write_tokens(tmp_path / "t.npy", 2000, vocab_size=300)
+    cfg = compose_config([*TINY_MODEL, "data=tokens", f"data.path={data}", "data.seq_len=32",
+                          f"train.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="model.arch.vocab_size=256"):
+        train.run(cfg)
+
+
+def test_the_readme_command_runs_the_default_config(tmp_path):
+    """`python train.py` as a user runs it (Hydra CLI, real tokenizer and chitchat corpus), shortened."""
+    out = subprocess.run(
+        [sys.executable, "train.py", "train.steps=2", "data.seq_len=32", "train.local_batch_size=2",
+         f"train.output_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step     2/2" in out.stdout + out.stderr
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

@@ -1,0 +1,101 @@
+"""The structured config: one dataclass per Hydra group, registered as the schema of conf/config.yaml,
+so a misspelt key fails at start-up. Cross-field checks live in ``validate`` and run before any
+process group exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from parallelisms.config import ParallelConfig
+from training.data import DataConfig, validate_data_config
+
+
+@dataclass
+class ModelConfig:
+    name: str = "qwen3_moe_debug"
+    model_type: str | None = "qwen3_moe"  # None with model=hf: taken from init_from's config.json
+    init_from: str | None = None  # a Hugging Face directory (config.json + safetensors) to load weights from
+    arch: dict[str, Any] = field(default_factory=dict)  # the family's hyper-parameters (models/<family>/args.py)
+
+
+@dataclass
+class DispatcherConfig:
+    name: str = "eager"  # how tokens reach their experts under EP (parallelisms/dispatchers)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
+    fused: bool | None = None  # None: fused AdamW where the device supports it
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100  # optimizer steps; 0 logs the first batch's loss (step 0) and updates nothing
+    local_batch_size: int = 4  # sequences per rank per micro-batch
+    grad_accum_steps: int = 1
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | npu
+    mixed_precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
+    output_dir: str | None = None  # run directory; None: Hydra's run directory
+    save_final: bool = True  # write the final weights to <run_dir>/model.safetensors
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1  # steps between metric lines (metrics.jsonl, tensorboard, wandb)
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "qwen-moe"
+    wandb_mode: str = "offline"  # offline | online
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_schema() -> None:
+    ConfigStore.instance().store(name="schema", node=TrainConfig)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every single-field and cross-field check that needs no process group, with the key in the message."""
+    t, o = cfg.train, cfg.optim
+    _check(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
+    _check(t.local_batch_size > 0, f"train.local_batch_size={t.local_batch_size} must be positive")
+    _check(t.grad_accum_steps > 0, f"train.grad_accum_steps={t.grad_accum_steps} must be positive")
+    _check(t.mixed_precision in ("auto", "bf16", "fp32"),
+           f"train.mixed_precision={t.mixed_precision!r} must be auto, bf16 or fp32")
+    _check(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
+    _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
+    _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _check(cfg.logging.log_every > 0, f"logging.log_every={cfg.logging.log_every} must be positive")
+    _check(cfg.logging.wandb_mode in ("offline", "online"),
+           f"logging.wandb_mode={cfg.logging.wandb_mode!r} must be offline or online")
+    m = cfg.model
+    _check(m.model_type is not None or m.init_from is not None,
+           "model.model_type is unset: pick a preset (model=qwen3_moe_debug) or give model.init_from=<hf dir>")
+    validate_data_config(cfg.data)

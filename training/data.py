@@ -1,0 +1,239 @@
+"""Offline data pipeline: tokenize a corpus once (cached), pack it into fixed windows, serve batches.
+
+Every document is tokenized, followed by <|endoftext|>, and concatenated into one stream of ids with a
+parallel loss mask. The stream is cut into non-overlapping windows of seq_len + 1 tokens (the tail is
+dropped). Window order is a per-epoch permutation fixed by the seed. Global micro-batch k is windows
+[k*G, (k+1)*G) of that order, with G = local_batch_size * dp_size, and dp rank r takes the contiguous
+rows [r*local_batch_size, (r+1)*local_batch_size), so batches do not depend on the parallel layout.
+
+Shape letters: B local batch, T seq_len, T1 seq_len + 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.tokenizer import QwenTokenizer
+
+IGNORE_INDEX = -100
+_NAMES = ("chitchat", "jsonl", "tokens")
+_TOKENIZERS = ("qwen3", "qwen3_5")
+_CACHE_VERSION = 1  # bump when the rendering of documents changes
+
+Doc = tuple[list[int], list[bool]]  # token ids, loss mask (True = trained)
+
+
+@dataclass
+class DataConfig:
+    name: str = "chitchat"  # chitchat | jsonl | tokens
+    path: str | None = None  # jsonl: .jsonl file; tokens: .npy or raw uint32 .bin; chitchat: dataset.json override
+    seq_len: int = 256
+    tokenizer: str = "qwen3"  # qwen3 | qwen3_5 (ignored for tokens)
+    mask_non_assistant: bool = False  # chat data: loss only on assistant tokens
+    cache_dir: str = ".cache/data"  # tokenized-corpus cache
+
+
+def _source_path(cfg: DataConfig) -> Path:
+    if cfg.path:
+        return Path(cfg.path)
+    return Path(str(importlib.resources.files("chitchat_dataset") / "dataset.json"))
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Raise ValueError / FileNotFoundError naming the offending ``data.*`` field and the fix."""
+    if cfg.name not in _NAMES:
+        raise ValueError(f"data.name={cfg.name!r} is unknown; choose one of {', '.join(_NAMES)}")
+    if not isinstance(cfg.seq_len, int) or cfg.seq_len <= 0:
+        raise ValueError(f"data.seq_len={cfg.seq_len!r} must be a positive integer, e.g. data.seq_len=256")
+    if cfg.name != "tokens" and cfg.tokenizer not in _TOKENIZERS:
+        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is unknown; choose one of {', '.join(_TOKENIZERS)}")
+    if cfg.name == "tokens" and cfg.mask_non_assistant:
+        raise ValueError("data.mask_non_assistant=true needs chat data (data.name=jsonl or chitchat); "
+                         "pre-tokenized data has no loss mask")
+    if cfg.name != "chitchat" and not cfg.path:
+        raise ValueError(f"data.path is required for data.name={cfg.name}; set data.path=/path/to/file")
+    if cfg.name == "tokens" and Path(cfg.path).suffix not in (".npy", ".bin"):
+        raise ValueError(f"data.path={cfg.path!r} must be a .npy array or a raw uint32 .bin file for data.name=tokens")
+    if not cfg.cache_dir:
+        raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
+    path = _source_path(cfg)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path: no such file {path}")
+
+
+def _text_doc(tok: QwenTokenizer, text: str) -> Doc:
+    ids = tok.encode(text) + [tok.eos_id]
+    return ids, [True] * len(ids)
+
+
+def _chat_doc(tok: QwenTokenizer, messages: list[dict]) -> Doc:
+    ids, mask = tok.render_chat(messages)
+    return ids + [tok.eos_id], mask + [False]
+
+
+def _chitchat_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
+    """One ChatML document per conversation: the speakers alternate user / assistant (the first one is
+    the user) and a speaker's consecutive messages are joined with newlines."""
+    for conv in json.loads(path.read_bytes()).values():
+        utterances = [u for group in conv["messages"] for u in group]
+        runs = itertools.groupby(utterances, key=lambda u: u["sender"])
+        turns = ["\n".join(u["text"] for u in run) for _, run in runs]
+        yield _chat_doc(tok, [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)])
+
+
+def _jsonl_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
+    """One document per line: {"text": ...} or {"messages": [{"role", "content"}, ...]}."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {lineno}: invalid JSON ({e})") from None
+            if isinstance(row, dict) and "text" in row:
+                yield _text_doc(tok, row["text"])
+            elif isinstance(row, dict) and "messages" in row:
+                yield _chat_doc(tok, row["messages"])
+            else:
+                raise ValueError(f"{path} line {lineno}: expected a 'text' or a 'messages' field")
+
+
+def _tokenized_stream(cfg: DataConfig, path: Path) -> np.ndarray:
+    """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache or tokenized and cached."""
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256")
+    digest.update(f"|v{_CACHE_VERSION}|{cfg.name}|{cfg.tokenizer}".encode())
+    cache = Path(cfg.cache_dir) / f"{cfg.name}-{cfg.tokenizer}-{digest.hexdigest()[:16]}.npy"
+    if cache.exists():
+        return np.load(cache)
+
+    tok = QwenTokenizer(cfg.tokenizer)
+    docs = _chitchat_docs(path, tok) if cfg.name == "chitchat" else _jsonl_docs(path, tok)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for doc_ids, doc_mask in docs:
+        ids += doc_ids
+        mask += doc_mask
+    stream = np.array([ids, mask], dtype=np.uint32)
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, stream)
+        os.replace(tmp, cache)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return stream
+
+
+def _load_tokens(path: Path) -> np.ndarray:
+    """A pre-tokenized 1-D id array (memory-mapped): .npy of any integer dtype or raw little-endian uint32."""
+    if path.suffix == ".npy":
+        ids = np.load(path, mmap_mode="r")
+    elif path.stat().st_size > 0 and path.stat().st_size % 4 == 0:
+        ids = np.memmap(path, dtype="<u4", mode="r")
+    else:
+        raise ValueError(f"data.path={path}: a raw uint32 .bin file needs a positive multiple of 4 bytes")
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size == 0:
+        raise ValueError(f"data.path={path}: expected a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+    if ids.min() < 0:
+        raise ValueError(f"data.path={path}: token ids must be non-negative")
+    return ids
+
+
+class PackedLoader:
+    """Endless iterator of packed batches for one dp rank; see the module docstring for the order."""
+
+    def __init__(
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray | None,
+        *,
+        seq_len: int,
+        vocab_size: int,
+        seed: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ) -> None:
+        self._ids, self._mask = ids, mask  # 1-D streams; mask None = every target is trained
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.num_windows = len(ids) // (seq_len + 1)
+        self._seed = seed
+        self._local_batch = local_batch_size
+        self._rank_offset = dp_rank * local_batch_size
+        self._global_batch = local_batch_size * dp_size
+        if self.num_windows < self._global_batch:
+            raise ValueError(
+                f"corpus too small: {len(ids)} tokens make {self.num_windows} windows of data.seq_len={seq_len} "
+                f"(+1), fewer than one global batch of {self._global_batch}; lower data.seq_len or the batch size"
+            )
+        self.epoch = 0
+        self.position = 0  # index in this epoch's order of the next global batch's first window
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            self._order = np.random.default_rng([self._seed, self.epoch]).permutation(self.num_windows)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.position + self._global_batch > self.num_windows:
+            self.epoch, self.position = self.epoch + 1, 0
+        start = self.position + self._rank_offset
+        windows_B = self._epoch_order()[start : start + self._local_batch]
+        self.position += self._global_batch
+
+        index_BT1 = windows_B[:, None] * (self.seq_len + 1) + np.arange(self.seq_len + 1)
+        tokens_BT1 = torch.from_numpy(self._ids[index_BT1].astype(np.int64))
+        labels_BT = tokens_BT1[:, 1:].clone()
+        if self._mask is not None:
+            trained_BT = torch.from_numpy(self._mask[index_BT1[:, 1:]].astype(bool))
+            labels_BT[~trained_BT] = IGNORE_INDEX
+        position_ids_BT = torch.arange(self.seq_len).expand(len(windows_B), -1).contiguous()
+        return {"input_ids": tokens_BT1[:, :-1].contiguous(), "labels": labels_BT, "position_ids": position_ids_BT}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def build_data_loader(
+    cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int
+) -> PackedLoader:
+    """Validate ``cfg``, load (tokenizing and caching on first use) the corpus, and return dp rank's loader."""
+    validate_data_config(cfg)
+    if local_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need local_batch_size > 0 and 0 <= dp_rank < dp_size, got "
+                         f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
+    path = _source_path(cfg)
+    if cfg.name == "tokens":
+        ids, mask = _load_tokens(path), None
+        vocab_size = int(ids.max()) + 1
+    else:
+        ids, mask = _tokenized_stream(cfg, path)
+        mask = mask if cfg.mask_non_assistant else None
+        vocab_size = QwenTokenizer(cfg.tokenizer).vocab_size
+    return PackedLoader(ids, mask, seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
+                        local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)

