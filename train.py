@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hydra
 import torch
@@ -21,9 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 import parallelisms
-from models.hf_io import args_from_hf_config, load_hf_state_dict, load_into_model, preset_differences, read_hf_config
+from models.hf_io import (args_from_hf_config, export_hf, load_hf_state_dict, load_into_model, preset_differences,
+                          read_hf_config)
 from training import device
-from training.checkpoint import save_model_weights
+from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_model_weights,
+                                 set_rng_state)
 from training.config import TrainConfig, register_schema, validate
 from training.data import build_data_loader
 from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
@@ -65,6 +69,46 @@ def shared_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims) -> Path:
     return run_dir
 
 
+class StepResult(NamedTuple):
+    loss: float  # mean token cross-entropy of the global batch
+    aux_loss: float
+    grad_norm: float
+    updated: bool
+
+
+def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+               scheduler, cfg: TrainConfig, dims: parallelisms.ParallelDims, num_experts: int, aux_coef: float,
+               autocast: torch.autocast, update: bool) -> StepResult:
+    """Forward/backward over the micro-batches, clip, and (unless told not to, or non-finite) step."""
+    # Normalise by the global count of trained tokens so every layout optimises the same objective.
+    num_tokens = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum().float()
+    if dims.data_group is not None:
+        dist.all_reduce(num_tokens, group=dims.data_group)
+    num_tokens = num_tokens.clamp(min=1.0)
+    ce_share = aux_share = 0.0
+    for batch in batches:
+        with autocast:
+            out = model(batch["input_ids"], batch["position_ids"])
+        ce = cross_entropy_sum(out.logits, batch["labels"]) / num_tokens
+        aux = aux_loss_share(out.router_stats, num_experts, dims.data_group) / len(batches)
+        ((ce + aux_coef * aux) * dims.grad_scale).backward()
+        ce_share, aux_share = ce_share + ce.detach(), aux_share + aux.detach()
+    grad_norm = parallelisms.clip_grad_norm_(model, cfg.optim.grad_clip, dims)
+    losses = torch.stack([ce_share, aux_share])
+    if dims.data_group is not None:
+        dist.all_reduce(losses, group=dims.data_group)
+    loss, aux_loss, norm = (*losses.tolist(), grad_norm.item())  # the step's one host sync
+    finite = math.isfinite(loss) and math.isfinite(norm)
+    if not finite and cfg.train.nonfinite == "stop":
+        raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
+                                 "train.nonfinite=skip would skip such steps)")
+    if update and finite:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, aux_loss, norm, update and finite)
+
+
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     """Train as configured; returns the per-step metrics (also written to <run_dir>/metrics.jsonl)."""
     validate(cfg)
@@ -78,6 +122,8 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
     dev = device.local_device(dev_type)
     run_dir = shared_run_dir(cfg, dims)
+    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    resume_from = resolve_resume(cfg.train.resume, ckpt_root)
     # Record the architecture actually built (model=hf leaves it to config.json) so export/resume can rebuild it.
     resolved = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, model_type=spec.model_type, arch=dataclasses.asdict(model_args)))
@@ -87,12 +133,12 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
 
     # Build on meta, shard, then materialise: no rank ever holds the full model in memory.
     bf16 = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and dev_type != "cpu")
-    param_dtype = torch.bfloat16 if bf16 else torch.float32
     with torch.device("meta"):
         model = spec.model_cls(model_args)
-    model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel, param_dtype, torch.float32)
+    model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
+                                           torch.bfloat16 if bf16 else torch.float32, torch.float32)
     model.to_empty(device=dev)
-    if cfg.model.init_from is not None:
+    if cfg.model.init_from is not None and resume_from is None:
         load_into_model(model, load_hf_state_dict(cfg.model.init_from))
     else:
         model.init_weights()  # every parameter; the rotary tables are computed per call, so no buffers
@@ -105,71 +151,94 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     if loader.vocab_size > model_args.vocab_size:
         raise ValueError(f"data ids reach {loader.vocab_size - 1} but model.arch.vocab_size={model_args.vocab_size}; "
                          "use a model whose vocabulary covers the tokenizer (or data.tokenizer to match)")
-    metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0,
+    first_step = 1
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"], dev_type)
+        first_step = state["step"] + 1
+        if dims.rank == 0:
+            logger.info("resumed from %s at step %d", resume_from, state["step"])
+    metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0, keep_until=first_step - 1 if resume_from else None,
                                  run_config=OmegaConf.to_container(OmegaConf.structured(resolved)))
     # Autocast only where FSDP's mixed-precision policy does not already cast the parameters.
     autocast = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16 and cfg.parallel.backend.name != "fsdp2")
     flops_per_token = model_args.flops_per_token(cfg.data.seq_len)
     peak_flops = device.peak_tflops(dev_type)
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
+    stop = StopSignal(dims, dev)
+
+    def checkpoint(step: int) -> None:
+        train_state = {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": rng_state(dev_type)}
+        save_checkpoint(ckpt_root, step, model, optimizer, train_state, cfg.checkpoint.keep_last, dims.rank == 0)
 
     history: list[dict[str, Any]] = []
-    accum, coef = cfg.train.grad_accum_steps, model_args.router_aux_loss_coef
-    steps = range(1, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure, never update
+    steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
     start = time.perf_counter()
-    for step in steps:
+    for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
         step_start = time.perf_counter()
-        batches = [{k: v.to(dev, non_blocking=True) for k, v in next(loader).items()} for _ in range(accum)]
-        # Normalise by the global count of trained tokens so every layout optimises the same objective.
-        num_tokens = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum().float()
-        if dims.data_group is not None:
-            dist.all_reduce(num_tokens, group=dims.data_group)
-        num_tokens = num_tokens.clamp(min=1.0)
-        ce_share = torch.zeros((), device=dev)
-        aux_share = torch.zeros((), device=dev)
-        for batch in batches:
-            with autocast:
-                out = model(batch["input_ids"], batch["position_ids"])
-            ce = cross_entropy_sum(out.logits, batch["labels"]) / num_tokens
-            aux = aux_loss_share(out.router_stats, model_args.num_experts, dims.data_group) / accum
-            ((ce + coef * aux) * dims.grad_scale).backward()
-            ce_share += ce.detach()
-            aux_share += aux.detach()
-        grad_norm = parallelisms.clip_grad_norm_(model, cfg.optim.grad_clip, dims)
+        batches = [{k: v.to(dev, non_blocking=True) for k, v in next(loader).items()}
+                   for _ in range(cfg.train.grad_accum_steps)]
         lr = scheduler.get_last_lr()[0]
-        if step > 0:
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
+        result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args.num_experts,
+                            model_args.router_aux_loss_coef, autocast, update=step > 0)
+        device.synchronize(dev_type)
+        step_time = time.perf_counter() - step_start
+        tokens = cfg.train.grad_accum_steps * cfg.train.local_batch_size * cfg.data.seq_len * dims.dp
+        per_device = tokens / step_time / dims.world_size
+        metrics = {
+            "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "grad_norm": result.grad_norm,
+            "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens,
+            "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
+            "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
+            "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
+        }
+        history.append(metrics)
         if step % cfg.logging.log_every == 0 or step == steps[-1]:
-            losses = torch.stack([ce_share, aux_share])
-            if dims.data_group is not None:
-                dist.all_reduce(losses, group=dims.data_group)
-            device.synchronize(dev_type)
-            step_time = time.perf_counter() - step_start
-            tokens = accum * cfg.train.local_batch_size * cfg.data.seq_len * dims.dp
-            per_device = tokens / step_time / dims.world_size
-            metrics = {
-                "step": step, "loss": losses[0].item(), "aux_loss": losses[1].item(),
-                "grad_norm": grad_norm.item(), "lr": lr, "tokens": tokens,
-                "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
-                "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
-                "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
-            }
-            history.append(metrics)
             metric_logger.log(metrics)
             if dims.rank == 0:
-                eta = (time.perf_counter() - start) / max(step, 1) * (len(steps) - max(step, 1))
+                eta = (time.perf_counter() - start) / done * (len(steps) - done)
                 logger.info(progress_line(metrics, cfg.train.steps, eta))
-
-    if cfg.train.save_final:
-        save_model_weights(model, run_dir / "model.safetensors", is_writer=dims.rank == 0)
+        if stop.requested():
+            checkpoint(step)
+            logger.info("stopping at step %d on SIGTERM after saving a checkpoint", step)
+            break
+        if cfg.checkpoint.interval > 0 and step > 0 and step % cfg.checkpoint.interval == 0:
+            checkpoint(step)
+    else:
+        if cfg.train.save_final:
+            save_model_weights(model, run_dir / "model.safetensors", is_writer=dims.rank == 0)
+        if cfg.checkpoint.export_hf_at_end:
+            export_hf(model, spec.model_type, run_dir / "hf")
+    stop.restore()
     metric_logger.close()
     if dims.rank == 0:
         logger.info("run directory: %s", run_dir)
     return history
+
+
+class StopSignal:
+    """SIGTERM (slurm preemption, torchrun shutdown) asks to stop after the current step; ranks agree."""
+
+    def __init__(self, dims: parallelisms.ParallelDims, dev: torch.device) -> None:
+        self._dims, self._dev = dims, dev
+        self._flag = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self._flag = True
+
+    def requested(self) -> bool:
+        if self._dims.world_size == 1:
+            return self._flag
+        flag = torch.tensor([float(self._flag)], device=self._dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank's signal stops all of them at the same step
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
 
 
 register_schema()

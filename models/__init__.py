@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from models.qwen3_5_moe import Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM
 from models.qwen3_moe import Qwen3MoeArgs, Qwen3MoeForCausalLM
 
 
@@ -58,3 +59,5 @@ def build_args(model_type: str, arch: dict[str, Any]):
 
 
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))
+register(ModelSpec("qwen3_5_moe", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
+                   hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head."))))

@@ -24,10 +24,9 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._grouped_mm.default,
     torch.ops._c10d_functional.all_to_all_single.default,
 }
-if hasattr(torch.ops.aten, "_grouped_mm"):
-    _SAVED_OPS.add(torch.ops.aten._grouped_mm.default)
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

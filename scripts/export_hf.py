@@ -1,8 +1,9 @@
-"""Export a training run's final weights as a Hugging Face directory.
+"""Export a training run's weights as a Hugging Face directory.
 
-    python scripts/export_hf.py <run-dir | run-dir/model.safetensors> <out-dir> [--dtype bfloat16]
+    python scripts/export_hf.py <run-dir | run-dir/model.safetensors | checkpoint-dir> <out-dir> [--dtype bfloat16]
 
-Reads ``model.safetensors`` (our names, fused experts, full tensors) and the resolved ``config.yaml`` beside it
+Reads the final ``model.safetensors`` (our names, fused experts, full tensors), or a DCP checkpoint
+(``<run-dir>/checkpoints/step_N``, any layout it was saved with), and the run's resolved ``config.yaml``
 (``model.model_type``, ``model.arch``); writes what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 """
 
@@ -18,21 +19,40 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from models import build_args  # noqa: E402
+from models import build_args, get_spec  # noqa: E402
 from models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_state_dict_hf  # noqa: E402
+from training.checkpoint import TRAIN_STATE, full_state_dict, load_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def run_files(path: Path) -> tuple[Path, Path]:
-    """(weights, config.yaml) of a run directory or of a .safetensors file inside one."""
-    weights = path / "model.safetensors" if path.is_dir() else path
-    config = weights.parent / "config.yaml"
+    """(weights, config.yaml) of a run directory, a .safetensors file inside one, or a DCP checkpoint
+    directory (whose run's config.yaml is two levels up: <run>/checkpoints/step_N)."""
+    if is_dcp_checkpoint(path):
+        weights, config = path, path.parent.parent / "config.yaml"
+    else:
+        weights = path / "model.safetensors" if path.is_dir() else path
+        config = weights.parent / "config.yaml"
     for file, what in ((weights, "weights"), (config, "resolved run config")):
-        if not file.is_file():
+        if not file.exists():
             raise FileNotFoundError(f"{file} not found ({what}); expected a run directory holding "
-                                    "model.safetensors and config.yaml, or the path of its .safetensors file")
+                                    "model.safetensors and config.yaml, the path of its .safetensors file, "
+                                    "or a checkpoint directory <run>/checkpoints/step_N")
     return weights, config
+
+
+def is_dcp_checkpoint(path: Path) -> bool:
+    return (path / TRAIN_STATE).is_file()
+
+
+def dcp_state_dict(checkpoint: Path, model_type: str, args: object) -> dict[str, torch.Tensor]:
+    """Full tensors of a DCP checkpoint, loaded into the unsharded model on the CPU (DCP reshards)."""
+    with torch.device("meta"):
+        model = get_spec(model_type).model_cls(args)
+    model.to_empty(device="cpu")
+    load_checkpoint(checkpoint, model, optimizer=None)
+    return full_state_dict(model)
 
 
 def model_type_and_args(config_yaml: Path) -> tuple[str, object]:
@@ -44,14 +64,15 @@ def model_type_and_args(config_yaml: Path) -> tuple[str, object]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="run directory, or the model.safetensors inside it")
+    parser.add_argument("checkpoint", type=Path, help="run directory, its model.safetensors, or a checkpoint directory")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: as saved)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     opts = parser.parse_args(argv)
     weights, config_yaml = run_files(opts.checkpoint)
     model_type, args = model_type_and_args(config_yaml)
-    export_state_dict_hf(load_file(weights), model_type, args, opts.out_dir,
+    state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
+    export_state_dict_hf(state, model_type, args, opts.out_dir,
                          max_shard_bytes=opts.max_shard_bytes, dtype=DTYPES.get(opts.dtype))
     print(f"exported {weights} ({model_type}) to {opts.out_dir}")
 

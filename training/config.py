@@ -10,6 +10,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from parallelisms.config import ParallelConfig
+from training.checkpoint import CheckpointConfig
 from training.data import DataConfig, validate_data_config
 
 
@@ -49,6 +50,8 @@ class TrainSection:
     mixed_precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
     output_dir: str | None = None  # run directory; None: Hydra's run directory
     save_final: bool = True  # write the final weights to <run_dir>/model.safetensors
+    resume: str = "none"  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
+    nonfinite: str = "stop"  # a non-finite loss or gradient norm: stop (raise with a report) | skip (no update)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register_schema() -> None:
@@ -88,6 +92,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.grad_accum_steps > 0, f"train.grad_accum_steps={t.grad_accum_steps} must be positive")
     _check(t.mixed_precision in ("auto", "bf16", "fp32"),
            f"train.mixed_precision={t.mixed_precision!r} must be auto, bf16 or fp32")
+    _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r} must be stop or skip")
+    _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: off)")
+    _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     _check(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")

@@ -17,12 +17,19 @@ logger = logging.getLogger("train")
 class MetricLogger:
     """Writes only on the process that owns the run directory (rank 0); a no-op elsewhere."""
 
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool, run_config: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool, run_config: dict[str, Any],
+                 keep_until: int | None = None) -> None:
+        """``keep_until``: resuming after that step, keep earlier lines of metrics.jsonl (a fresh run truncates)."""
         self.enabled = enabled
         self._jsonl = self._tb = self._wandb = None
         if not enabled:
             return
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        kept = []
+        if keep_until is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= keep_until]
+        self._jsonl = open(path, "w", buffering=1)
+        self._jsonl.writelines(line + "\n" for line in kept)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

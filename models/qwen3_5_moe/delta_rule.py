@@ -14,6 +14,8 @@ i*H/h .. (i+1)*H/h - 1, as in FLA and transformers), k key dim, v value dim, C c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -72,12 +74,11 @@ def chunk_gated_delta_rule(
     causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     decay_BHNCC = (gamma_BHNC[..., :, None] - gamma_BHNC[..., None, :]).masked_fill(~causal_CC, -torch.inf).exp()
     kbeta_BHNCk = k_BHNCk * beta_BHNC[..., None]
-    # The solver reads only the strictly lower triangle (unitriangular): that part is L.
+    # I + L: the solver reads only the strictly lower triangle of this product.
     system_BHNCC = (kbeta_BHNCk @ k_BHNCk.transpose(-1, -2)) * decay_BHNCC
-    u_BHNCv = torch.linalg.solve_triangular(system_BHNCC, v_BHNCv * beta_BHNC[..., None], upper=False,
-                                            unitriangular=True)  # the deltas if the chunk started from S = 0
-    w_BHNCk = torch.linalg.solve_triangular(system_BHNCC, kbeta_BHNCk * gamma_BHNC.exp()[..., None], upper=False,
-                                            unitriangular=True)  # how the chunk's initial state enters them
+    solve = functools.partial(torch.linalg.solve_triangular, system_BHNCC, upper=False, unitriangular=True)
+    u_BHNCv = solve(v_BHNCv * beta_BHNC[..., None])  # the deltas if the chunk started from S = 0
+    w_BHNCk = solve(kbeta_BHNCk * gamma_BHNC.exp()[..., None])  # how the chunk's initial state enters them
     scores_BHNCC = (q_BHNCk @ k_BHNCk.transpose(-1, -2)) * decay_BHNCC  # diagonal included: o_t sees its own update
     q_read_BHNCk = q_BHNCk * gamma_BHNC.exp()[..., None]  # reads the initial state, decayed up to each token
     k_write_BHNCk = k_BHNCk * (gamma_BHNC[..., -1:] - gamma_BHNC).exp()[..., None]  # decayed to the chunk end

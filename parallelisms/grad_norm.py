@@ -1,0 +1,59 @@
+"""Global gradient-norm clipping across meshes.
+
+Expert gradients and the others are DTensors on different meshes (and DDP's are plain tensors), so one
+``torch.nn.utils.clip_grad_norm_`` over all of them fails. Instead: group the parameters by the process
+groups their shards are split over, sum the squares of each group's local shards in fp32, all-reduce each
+sum over exactly those groups (never over replicas, which would count a shard twice), add, take the root,
+and scale every gradient by the same ``min(max_norm / (norm + 1e-6), 1)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from parallelisms.dims import ParallelDims
+
+
+def _sharded_over(param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """Process groups over which ``param``'s shards differ: its mesh dims that are not Replicate
+    (Shard, or the _StridedShard that FSDP puts on top of EP's Shard(0))."""
+    if not isinstance(param, DTensor):
+        return ()
+    mesh = param.device_mesh
+    return tuple(mesh.get_group(d) for d, placement in enumerate(param.placements) if not placement.is_replicate())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
+    """Total L2 norm (fp32) of the gradients of ``model``, equal to the norm of the unsharded gradients;
+    with ``max_norm > 0`` also clips them in place to it. ``dims`` keeps the parallelisms API uniform: the
+    layout is read from the parameters themselves, so DDP, FSDP, EP and one process all take this path.
+
+    Collective: every rank must call it. The groups come from the parameters, not from their gradients, and
+    a missing gradient counts as zero, so all ranks run the same collectives even before any backward: one
+    call at start-up (the warm-up) creates every communicator it needs outside the training loop.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads_by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+    for p in params:  # parameter order, hence the order of the collectives, is the same on every rank
+        grads = grads_by_groups.setdefault(_sharded_over(p), [])
+        if p.grad is not None:
+            grads.append(_local(p.grad))
+    total = torch.zeros((), dtype=torch.float32, device=_local(params[0]).device)
+    for groups, grads in grads_by_groups.items():
+        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros_like(total)
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total += sq
+    norm = total.sqrt()
+    grads = [g for gs in grads_by_groups.values() for g in gs]
+    if max_norm > 0 and grads:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm

@@ -1,0 +1,148 @@
+"""Apply a model's parallel plan, declared by its ``ModelSpec``, for the configured backend.
+
+fsdp2, inside-out as fully_shard requires: EP -> expert FSDP -> block FSDP -> root -> prefetch chains.
+ddp: one replica per rank, gradients all-reduced. none: the model as it is. Activation checkpointing
+applies to all three.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+import models
+from models import ModelSpec
+from models.moe import GroupedExperts
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.config import BackendConfig, ParallelConfig
+from parallelisms.dims import ParallelDims
+from parallelisms.expert_parallel import apply_expert_parallel
+from training.device import local_device
+
+
+def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelConfig,
+                      param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> nn.Module:
+    """Shard or replicate ``model`` (usually still on the meta device) in place and return it."""
+    apply_activation_checkpointing(model.get_submodule(spec.blocks), cfg.activation_checkpoint)
+    if cfg.backend.name == "none":
+        return model
+    if cfg.backend.name == "ddp":
+        # The composable DDP: parameter names stay unchanged (no "module." prefix), and DDP itself is built
+        # lazily at the first forward, after the meta model has been materialised and initialised.
+        return replicate(model, device_id=local_device(dims.mesh("world").device_type))
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return _apply_fsdp2_plan(model, spec, dims, cfg.backend, mp_policy)
+
+
+def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
+                          param_dtype: torch.dtype = torch.float32,
+                          reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
+    return parallelize_model(model, models.get_spec("qwen3_moe"), dims, cfg, param_dtype, reduce_dtype)
+
+
+def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:
+    """Dim the expert FSDP shards: the experts (0) unless efsdp x ep exceeds them, when some ranks would
+    hold no expert at all; then the rows of each expert (1)."""
+    return 1 if efsdp * ep > num_experts else 0
+
+
+def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, backend: BackendConfig,
+                      mp_policy: MixedPrecisionPolicy) -> nn.Module:
+    blocks = list(model.get_submodule(spec.blocks))
+    experts = [block.get_submodule(spec.experts) for block in blocks]
+    embeddings = model.get_submodule(spec.embeddings)
+    final = [model.get_submodule(name) for name in spec.final]
+    _check_untied(embeddings, final)
+    fsdp_kwargs = dict(mp_policy=mp_policy, reshard_after_forward=backend.reshard_after_forward)
+
+    shard_experts(experts, dims, backend, mp_policy)  # 1. EP, 2. expert FSDP
+
+    # 3. Outer FSDP units over the model mesh, whose default average over dp x cp ranks matches grad_scale.
+    # fully_shard skips parameters that a nested fully_shard already manages: the experts keep theirs.
+    outer = dict(mesh=dims.mesh("fsdp"), ignored_params=_ignored_params(model, backend.fsdp_ignored_modules),
+                 **fsdp_kwargs)
+    fully_shard(embeddings, **outer)
+    for block in blocks:
+        fully_shard(block, **outer)
+    # The final norm and LM head run last in forward and first in backward: resharding them in between
+    # would only all-gather them again at once.
+    fully_shard(final, **{**outer, "reshard_after_forward": False})
+    # 4. Root: whatever no unit holds, and the one place FSDP coordinates the lazy init and streams from.
+    fully_shard(model, **outer)
+
+    # 5. Explicit prefetch: the host sync before each EP all-to-all (split sizes) stalls the CPU, so FSDP's
+    # implicit prefetch, issued as the CPU reaches each unit, would come too late. Each unit starts the
+    # all-gather of the next one, a MoE block's together with its experts; backward is the mirror image.
+    units: list[list[FSDPModule]] = [[embeddings], *([b, e] for b, e in zip(blocks, experts)), [final[0]]]
+    for unit, after in zip(units, units[1:]):
+        unit[0].set_modules_to_forward_prefetch(after)
+    for unit, before in zip(units[::-1], units[::-1][1:]):
+        unit[0].set_modules_to_backward_prefetch(before)
+    return model
+
+
+def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: BackendConfig,
+                  mp_policy: MixedPrecisionPolicy) -> None:
+    """Steps 1 and 2 of the plan for the experts of every block: EP, then expert FSDP."""
+    num_experts = experts[0].num_experts
+    # 1. EP: each ep rank keeps E/ep experts; the dispatcher all-to-alls the tokens to them.
+    if dims.ep > 1:
+        for module in experts:
+            apply_expert_parallel(module, dims.mesh("ep"), backend.ep_dispatcher)
+
+    # 2. Expert FSDP over efsdp (replicated over edp and expert_cp). Expert gradients are not averaged over
+    # this mesh alone: each rank's expert gradient already sums, through the all-to-all backward, the
+    # contributions of all ep ranks' tokens, so the sum over the expert FSDP mesh covers all dp x cp ranks
+    # and must be divided by dp x cp = grad_scale (the default would divide by edp x efsdp x cp).
+    shard_dim = expert_shard_dim(dims.efsdp, dims.ep, num_experts)
+    if shard_dim:
+        _check_even(experts[0], shard_dim, dims.efsdp)
+    # gloo has no PREMUL_SUM (how FSDP applies a custom divide factor): sum, then divide. Only where a
+    # reduce-scatter runs: with efsdp = 1 FSDP already divides in its copy, and forcing the sum as well
+    # would divide twice (torch 2.11-2.13).
+    force_sum = dims.efsdp > 1 and dist.get_backend(dims.mesh("world").get_group()) == "gloo"
+    for module in experts:
+        fully_shard(module, mesh=dims.mesh("expert_fsdp"), shard_placement_fn=lambda _: Shard(shard_dim),
+                    mp_policy=mp_policy, reshard_after_forward=backend.reshard_after_forward)
+        module.set_gradient_divide_factor(dims.grad_scale)
+        module.set_force_sum_reduction_for_comms(force_sum)
+
+
+def _check_untied(embeddings: nn.Module, final: list[nn.Module]) -> None:
+    shared = {id(p) for p in embeddings.parameters()} & {id(p) for m in final for p in m.parameters()}
+    if shared:
+        raise NotImplementedError("tied input/output embeddings under parallel.backend.name=fsdp2: the shared "
+                                  "weight would belong to two FSDP units; use untied weights or backend ddp")
+
+
+def _check_even(experts: nn.Module, dim: int, efsdp: int) -> None:
+    """FSDP2 shards a dim other than 0 only evenly."""
+    for name, param in experts.named_parameters(recurse=False):
+        if param.shape[dim] % efsdp:
+            raise ValueError(f"experts.{name} {tuple(param.shape)}: efsdp={efsdp} > experts per ep rank, so FSDP "
+                             f"shards dim {dim}, which must be divisible by efsdp; fix: parallel.backend.efsdp_size "
+                             f"dividing {param.shape[dim]}")
+
+
+def _ignored_params(model: nn.Module, globs: list[str]) -> set[nn.Parameter]:
+    """Parameters of the modules matching ``parallel.backend.fsdp_ignored_modules`` (FQN globs). They stay
+    whole on every rank and no collective touches their gradients, so they must be frozen."""
+    ignored: set[nn.Parameter] = set()
+    for glob in globs:
+        matched = [(name, m) for name, m in model.named_modules() if fnmatch.fnmatchcase(name, glob)]
+        if not matched:
+            raise ValueError(f"parallel.backend.fsdp_ignored_modules: {glob!r} matches no module of the model")
+        for name, module in matched:
+            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+            if trainable:
+                raise NotImplementedError(
+                    f"parallel.backend.fsdp_ignored_modules: {name} has trainable parameters {trainable}; "
+                    "gradient synchronisation of FSDP-ignored parameters is not implemented: freeze them")
+            ignored.update(module.parameters())
+    return ignored

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# A one-node Slurm cluster on this machine, for tests and CI (root; no systemd, no cgroups):
+#   scripts/slurm/local_cluster.sh start    # write slurm.conf, start munged + slurmctld + slurmd, wait for idle
+#   scripts/slurm/local_cluster.sh stop     # stop the three daemons (state and logs stay for post-mortems)
+#   scripts/slurm/local_cluster.sh status   # sinfo
+# Everything lives in $SLURM_LOCAL_DIR (default /tmp/qmt-slurm): slurm.conf, its own munge key and socket,
+# state, logs. Nothing under /etc is touched, so a system Slurm or munge is left alone; clients find this
+# cluster through SLURM_CONF=$SLURM_LOCAL_DIR/slurm.conf (start prints the export line).
+# Needs Debian's slurmctld, slurmd, slurm-client and munge packages.
+set -euo pipefail
+
+DIR=${SLURM_LOCAL_DIR:-/tmp/qmt-slurm}
+CTLD_PORT=${SLURM_LOCAL_PORT:-6817}  # slurmd listens on the next port
+CONF=$DIR/slurm.conf
+NODE=$(hostname -s)
+export SLURM_CONF=$CONF
+
+die() { echo "local_cluster.sh: $*" >&2; exit 1; }
+
+require_binaries() {
+  local missing=()
+  for bin in munged slurmctld slurmd sinfo sbatch scontrol; do
+    command -v "$bin" >/dev/null || [[ -x /usr/sbin/$bin ]] || missing+=("$bin")
+  done
+  ((${#missing[@]} == 0)) || die "missing ${missing[*]}: apt-get install -y slurmctld slurmd slurm-client munge"
+  [[ $(id -u) == 0 ]] || die "run as root (the daemons run as root: SlurmUser=root)"
+}
+
+write_conf() {
+  local mem_mb
+  # A little under the total: slurmd drains a node whose real memory is below RealMemory.
+  mem_mb=$(free -m | awk '/^Mem:/ {print int($2 * 0.95)}')
+  cat >"$CONF" <<CONF
+# Written by scripts/slurm/local_cluster.sh: one node, this machine, no accounting, no cgroups.
+ClusterName=local
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$((CTLD_PORT + 1))
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$DIR/munge.socket
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/slurmctld.pid
+SlurmdPidFile=$DIR/slurmd.pid
+SlurmctldLogFile=$DIR/slurmctld.log
+SlurmdLogFile=$DIR/slurmd.log
+# Containers have no usable cgroups: track job processes through /proc, bind nothing.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+# Seconds between SIGTERM and SIGKILL when a job is cancelled or requeued: time to write a checkpoint.
+KillWait=60
+# Let a job requeued by scontrol start again at once (the default waits before it is eligible).
+SchedulerParameters=bf_interval=1
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN
+PartitionName=local Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+CONF
+}
+
+start_munge() {
+  # A private key and socket: independent of /etc/munge and of any munged already running.
+  [[ -f $DIR/munge.key ]] || dd if=/dev/urandom of="$DIR/munge.key" bs=1024 count=1 status=none
+  chmod 600 "$DIR/munge.key"
+  munged --force --socket="$DIR/munge.socket" --key-file="$DIR/munge.key" --pid-file="$DIR/munged.pid" \
+    --log-file="$DIR/munged.log" --seed-file="$DIR/munged.seed"
+}
+
+stop_daemon() {  # stop_daemon NAME PIDFILE: SIGTERM, then wait up to 10 s for it to go
+  local pid
+  [[ -f $2 ]] || return 0
+  pid=$(cat "$2")
+  if kill "$pid" 2>/dev/null; then
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -0 "$pid" 2>/dev/null && { echo "$1 ($pid) ignored SIGTERM; killing" >&2; kill -9 "$pid" || true; }
+  fi
+  rm -f "$2"
+}
+
+wait_idle() {  # until sinfo shows the node idle (up to 60 s)
+  local state=""
+  for _ in $(seq 120); do
+    state=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
+    [[ $state == idle ]] && return 0
+    # A node left down or drained by an earlier run: tell slurmctld it is back.
+    [[ $state == down* || $state == drain* ]] && scontrol update nodename="$NODE" state=resume 2>/dev/null || true
+    sleep 0.5
+  done
+  die "node $NODE not idle after 60 s (state: '${state:-none}'); see $DIR/slurmctld.log and $DIR/slurmd.log"
+}
+
+start() {
+  require_binaries
+  stop  # a clean slate: leftovers of an earlier start would hold the ports
+  mkdir -p "$DIR/state" "$DIR/spool"
+  chmod 700 "$DIR"
+  write_conf
+  start_munge
+  slurmctld -f "$CONF"  # -i: ignore state left by an earlier cluster (jobs, node state)
+  slurmd -f "$CONF"
+  wait_idle
+  echo "local Slurm cluster up (node $NODE); clients need: export SLURM_CONF=$CONF"
+}
+
+stop() {
+  stop_daemon slurmd "$DIR/slurmd.pid"
+  stop_daemon slurmctld "$DIR/slurmctld.pid"
+  stop_daemon munged "$DIR/munged.pid"
+}
+
+case ${1:-} in
+  start) start ;;
+  stop) stop ;;
+  status) sinfo ;;
+  *) die "usage: $0 start|stop|status" ;;
+esac

@@ -1,0 +1,126 @@
+"""Run a function on N local CPU processes joined in a gloo process group, under pytest.
+
+``run_distributed(fn, world_size, *args)`` spawns the ranks, calls ``fn(rank, world_size, *args)`` in each
+and returns rank 0's return value. A failure in any rank fails the calling test with that rank's
+traceback; a hang fails it after ``timeout_s``. Start-up (importing torch in every child) costs a few
+seconds per spawn, so a test should do all its work for one world size in one call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, result_path: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        result = fn(rank, world_size, *args)
+        if rank == 0:
+            torch.save(result, result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300) -> Any:
+    """``fn`` must be importable (a module-level function) because the ranks are spawned, not forked."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = str(Path(tmp) / "result.pt")
+        context = mp.start_processes(_worker, args=(fn, world_size, _free_port(), result_path, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=1):  # raises ProcessRaisedException with the rank's traceback
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout_s:.0f} s")
+        return torch.load(result_path, weights_only=False)
+
+
+# ----------------------------------------------------------------------------- the debug model and its loop
+
+DEBUG_ARCH = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  router_aux_loss_coef=0.01)
+
+
+def debug_model_args(**overrides: Any):
+    from models import build_args
+
+    return build_args("qwen3_moe", {**DEBUG_ARCH, **overrides})
+
+
+def seeded_weights(args, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full weights of the debug model, initialised by one process: what every layout loads."""
+    from models import get_spec
+
+    torch.manual_seed(seed)
+    model = get_spec("qwen3_moe").model_cls(args)
+    model.init_weights()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def load_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into plain or DTensor parameters: distribute_tensor slices a full tensor for any
+    placements, _StridedShard (FSDP over EP's Shard(0)) included, without communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in model.named_parameters():
+        full = weights[name]
+        if isinstance(param, DTensor):
+            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                                     src_data_rank=None).to_local())
+        else:
+            param.copy_(full)
+
+
+def synthetic_batches(steps: int, global_batch: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """[steps, global_batch, seq_len + 1] token ids."""
+    return torch.randint(0, vocab_size, (steps, global_batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def train_steps(model: torch.nn.Module, dims, tokens_SGT1: torch.Tensor, lr: float = 1e-2,
+                max_norm: float = 0.5) -> list[dict[str, float]]:
+    """The training step of train.py in a few lines: loss shares normalised by the global token count,
+    backward with grad_scale, cross-mesh clipping, AdamW. This rank reads its dp slice of every batch."""
+    from parallelisms import clip_grad_norm_
+    from training.loss import aux_loss_share, cross_entropy_sum
+
+    args = model.args
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    rows = tokens_SGT1.shape[1] // dims.dp
+    history = []
+    for step, tokens_GT1 in enumerate(tokens_SGT1, 1):
+        tokens_BT1 = tokens_GT1[dims.dp_rank * rows:(dims.dp_rank + 1) * rows]
+        labels_BT = tokens_BT1[:, 1:]
+        out = model(tokens_BT1[:, :-1])
+        ce = cross_entropy_sum(out.logits, labels_BT) / labels_BT.numel() / dims.dp
+        share = ce + args.router_aux_loss_coef * aux_loss_share(out.router_stats, args.num_experts, dims.data_group)
+        (share * dims.grad_scale).backward()
+        grad_norm = clip_grad_norm_(model, max_norm, dims)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = share.detach()
+        if dims.data_group is not None:
+            dist.all_reduce(loss, group=dims.data_group)
+        history.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item()})
+    return history
