@@ -23,8 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 import parallelisms
-from models.hf_io import (args_from_hf_config, export_hf, load_hf_state_dict, load_into_model, preset_differences,
-                          read_hf_config)
+from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
 from training import device
 from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_model_weights,
                                  set_rng_state)
@@ -139,7 +138,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
                                            torch.bfloat16 if bf16 else torch.float32, torch.float32)
     model.to_empty(device=dev)
     if cfg.model.init_from is not None and resume_from is None:
-        load_into_model(model, load_hf_state_dict(cfg.model.init_from))
+        load_hf_into_model(model, cfg.model.init_from)  # each rank reads only the slices it owns
     else:
         model.init_weights()  # every parameter; the rotary tables are computed per call, so no buffers
     model.train()

@@ -13,6 +13,7 @@ On-disk prefixes that differ from ours (multimodal nesting) come from ``ModelSpe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -23,14 +24,16 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models import ModelSpec, build_args, get_spec
 
@@ -108,19 +111,59 @@ def _checkpoint_files(hf_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"neither {INDEX} nor {SAFETENSORS} in {hf_dir}")
 
 
-def load_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face directory in our names (family from its config.json). Per-expert
-    tensors are stacked into the fused ones; fused tensors on disk are taken as they are."""
+@dataclass(frozen=True)
+class _Source:
+    """One of our tensors as stored on disk: its global shape and a reader of any box of it, so that each
+    rank reads only the slice it owns (safetensors slices are read lazily from the memory-mapped file)."""
+
+    shape: tuple[int, ...]
+    read: Callable[[tuple[slice, ...]], torch.Tensor]
+
+
+def _whole(shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+def _direct_source(f: Any, disk_name: str) -> _Source:
+    handle = f.get_slice(disk_name)
+    return _Source(tuple(handle.get_shape()), lambda box: handle[box])
+
+
+def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
+    """Experts stored one by one, part by part ([R, C] each), seen as the fused [E, parts x R, C]."""
+    rows, cols = parts_by_expert[0][0].get_shape()
+    num_parts = len(parts_by_expert[0])
+
+    def read(box: tuple[slice, ...]) -> torch.Tensor:
+        experts, row_range, col_range = box
+        stacked = []
+        for parts in parts_by_expert[experts]:
+            pieces = []
+            for i, part in enumerate(parts):  # the rows of part i are [i*R, (i+1)*R) of the fused expert
+                lo, hi = max(row_range.start, i * rows), min(row_range.stop, (i + 1) * rows)
+                if lo < hi:
+                    pieces.append(part[lo - i * rows:hi - i * rows, col_range])
+            stacked.append(torch.cat(pieces) if pieces else torch.empty(0, col_range.stop - col_range.start))
+        return torch.stack(stacked) if stacked else torch.empty(0, row_range.stop - row_range.start,
+                                                                 col_range.stop - col_range.start)
+
+    return _Source((len(parts_by_expert), num_parts * rows, cols), read)
+
+
+@contextlib.contextmanager
+def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
+    """Our name -> _Source for every tensor of a Hugging Face directory that belongs to our model (family
+    from its config.json). Per-expert tensors become one fused source; raises listing any missing expert."""
     hf_dir = Path(hf_dir)
     spec = get_spec(read_hf_config(hf_dir)["model_type"])
     expert_weights: dict[str, tuple[str, ...]] = _hf_names(spec).EXPERT_WEIGHTS
     part_of = {part: (fused, i) for fused, parts in expert_weights.items() for i, part in enumerate(parts)}
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.(\d+)\.(.+)$")
-    state: dict[str, torch.Tensor] = {}
-    # fused name -> {(part index, expert): [rows, cols]}
-    per_expert: dict[str, dict[tuple[int, int], torch.Tensor]] = defaultdict(dict)
-    for path in _checkpoint_files(hf_dir):
-        with safe_open(path, framework="pt") as f:
+    sources: dict[str, _Source] = {}
+    per_expert: dict[str, dict[tuple[int, int], Any]] = defaultdict(dict)  # fused name -> {(part, expert): slice}
+    with contextlib.ExitStack() as stack:
+        for path in _checkpoint_files(hf_dir):
+            f = stack.enter_context(safe_open(path, framework="pt"))
             for disk_name in f.keys():
                 name = _to_ours(spec, disk_name)
                 if name is None:
@@ -128,38 +171,38 @@ def load_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
                 match = per_expert_re.match(name)
                 if match and match[3] in part_of:
                     fused, i = part_of[match[3]]
-                    per_expert[f"{match[1]}.{fused}"][i, int(match[2])] = f.get_tensor(disk_name)
+                    per_expert[f"{match[1]}.{fused}"][i, int(match[2])] = f.get_slice(disk_name)
                 else:
-                    state[name] = f.get_tensor(disk_name)
-    state.update(_stack_experts(per_expert, expert_weights))
-    return state
-
-
-def _stack_experts(per_expert: dict[str, dict[tuple[int, int], torch.Tensor]],
-                   expert_weights: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
-    """{fused name: {(part, expert): [R, C]}} -> {fused name: [E, parts x R, C]}; raises on any gap."""
-    stacked, gaps = {}, []
-    for name, tensors in per_expert.items():
-        module, fused = name.rsplit(".", 1)
-        parts = expert_weights[fused]
-        num_experts = 1 + max(j for _, j in tensors)
-        absent = [f"{module}.{j}.{part}" for j in range(num_experts) for i, part in enumerate(parts)
-                  if (i, j) not in tensors]
-        if absent:
+                    sources[name] = _direct_source(f, disk_name)
+        gaps = []
+        for name, handles in per_expert.items():
+            module, fused = name.rsplit(".", 1)
+            parts = expert_weights[fused]
+            num_experts = 1 + max(j for _, j in handles)
+            absent = [f"{module}.{j}.{part}" for j in range(num_experts) for i, part in enumerate(parts)
+                      if (i, j) not in handles]
             gaps += absent
-            continue
-        stacked[name] = torch.stack([torch.cat([tensors[i, j] for i in range(len(parts))])
-                                     for j in range(num_experts)])
-    if gaps:
-        raise ValueError(f"checkpoint lacks {len(gaps)} per-expert tensors (our names): {', '.join(gaps)}")
-    return stacked
+            if not absent:
+                sources[name] = _fused_source([[handles[i, j] for i in range(len(parts))]
+                                               for j in range(num_experts)])
+        if gaps:
+            raise ValueError(f"checkpoint lacks {len(gaps)} per-expert tensors (our names): {', '.join(gaps)}")
+        yield sources
+
+
+def load_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face directory in our names, as full tensors. Per-expert tensors are stacked
+    into the fused ones; fused tensors on disk are taken as they are."""
+    with _disk_sources(hf_dir) as sources:
+        return {name: src.read(_whole(src.shape)) for name, src in sources.items()}
 
 
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise one ValueError listing every missing, unexpected and mis-shaped tensor (global shapes)."""
+def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Raise one ValueError listing every missing, unexpected and mis-shaped tensor (global shapes). Values
+    need only a ``shape``: full tensors, or the on-disk sources of a checkpoint not yet read."""
     shapes: dict[str, torch.Size] = {}
     tied: dict[int, list[str]] = defaultdict(list)  # one tensor under several names: any one name will do
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -168,7 +211,7 @@ def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -
     missing = [names[0] for names in tied.values() if not any(n in state_dict for n in names)]
     unexpected = sorted(set(state_dict) - set(shapes))
     misshaped = [f"{n} (checkpoint {tuple(state_dict[n].shape)}, model {tuple(shape)})"
-                 for n, shape in shapes.items() if n in state_dict and state_dict[n].shape != shape]
+                 for n, shape in shapes.items() if n in state_dict and tuple(state_dict[n].shape) != tuple(shape)]
     if missing or unexpected or misshaped:
         lines = [f"{label} ({len(names)}): {', '.join(names)}"
                  for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
@@ -176,42 +219,50 @@ def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -
         raise ValueError("state dict does not match the model:\n  " + "\n  ".join(lines))
 
 
-def local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
-    """This rank's part of ``full`` laid out like ``param``: every Shard(d) placement narrows dim d to this
-    rank's chunk on that mesh dim, as torch.chunk does (ceil(size / n) each, so tail chunks may be short or
-    empty); Replicate keeps the dim whole. Placements apply left to right, as DTensor's do."""
-    mesh = param.device_mesh
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise ValueError(f"rank {dist.get_rank()} is not in the parameter's mesh {mesh}")
-    local = full
-    for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_replicate():
-            continue
-        if type(placement) is not Shard:  # _StridedShard (FSDP over TP) and Partial lay data out differently
-            raise NotImplementedError(f"loading into a DTensor placed {placement} on mesh dim {mesh_dim}")
-        size = local.shape[placement.dim]
-        chunk = -(-size // mesh.size(mesh_dim))
-        start = min(coordinate[mesh_dim] * chunk, size)
-        local = local.narrow(placement.dim, start, min(chunk, size - start))
-    return local
+def local_box(param: torch.Tensor) -> tuple[slice, ...]:
+    """Where this rank's shard of ``param`` lies in the global tensor: the whole tensor for a plain one; for
+    a DTensor the box DTensor itself computes from its placements (Shard chunks as torch.chunk does, ceil
+    sizes with short or empty tails; nested shards of one dim, e.g. FSDP over EP, included)."""
+    if not isinstance(param, DTensor):
+        return _whole(param.shape)
+    if param.device_mesh.get_coordinate() is None:
+        raise ValueError(f"rank {dist.get_rank()} is not in the parameter's mesh {param.device_mesh}")
+    for placement in param.placements:
+        if placement.is_partial():
+            raise NotImplementedError(f"loading into a DTensor with a {placement} placement")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` laid out like ``param``."""
+    return full[local_box(param)]
 
 
 @torch.no_grad()
-def load_into_model(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy full tensors (our names) into the model's parameters, plain or DTensor (this rank's slice).
-    Checks everything first, so a mismatch raises before any parameter changes."""
-    check_state_dict(model, state_dict)
+def _copy_into(model: nn.Module, sources: Mapping[str, Any], read: Callable[[Any, tuple[slice, ...]], torch.Tensor]
+               ) -> None:
+    check_state_dict(model, sources)  # everything first: a mismatch raises before any parameter changes
     for name, param in model.named_parameters(remove_duplicate=False):
-        if name not in state_dict:
+        if name not in sources:
             continue  # a tied alias, filled under its other name
-        if isinstance(param, DTensor):
-            local, src = param.to_local(), local_slice(state_dict[name], param)
-            if local.shape != src.shape:  # copy_ would broadcast instead of failing
-                raise RuntimeError(f"{name}: local shard {tuple(local.shape)} but slice {tuple(src.shape)}")
-            local.copy_(src)
-        else:
-            param.copy_(state_dict[name])
+        local = param.to_local() if isinstance(param, DTensor) else param
+        src = read(sources[name], local_box(param))
+        if local.shape != src.shape:  # copy_ would broadcast instead of failing
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} but slice {tuple(src.shape)}")
+        local.copy_(src)
+
+
+def load_into_model(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy full tensors (our names) into the model's parameters, plain or DTensor (this rank's slice)."""
+    _copy_into(model, state_dict, lambda full, box: full[box])
+
+
+def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
+    """Fill the model from a Hugging Face directory, each rank reading from disk only the slices it owns:
+    host memory stays near one rank's share instead of the whole checkpoint."""
+    with _disk_sources(hf_dir) as sources:
+        _copy_into(model, sources, lambda src, box: src.read(box))
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -26,7 +26,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_d
 
 from models import build_args, get_spec
 from models.hf_io import (INDEX, SAFETENSORS, args_from_hf_config, export_hf, export_state_dict_hf,
-                          load_hf_state_dict, load_into_model, preset_differences, read_hf_config)
+                          load_hf_into_model, load_hf_state_dict, load_into_model, preset_differences,
+                          read_hf_config)
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -235,3 +236,43 @@ def _dtensor_load_worker(rank: int, init_file: str) -> None:
 
 def test_load_into_dtensor_shards_on_two_gloo_ranks(tmp_path: Path) -> None:
     mp.spawn(_dtensor_load_worker, args=(str(tmp_path / "pg_init"),), nprocs=2)
+
+
+def test_reading_a_box_of_the_disk_equals_slicing_the_full_tensor(tmp_path: Path) -> None:
+    """The per-rank reader: any box of a fused expert tensor (rows across the gate/up boundary, a subset of
+    experts, empty boxes) read from per-expert files equals the same box of the full tensor."""
+    from models.hf_io import _disk_sources
+    export_state_dict_hf(_model().state_dict(), "qwen3_moe", build_args("qwen3_moe", ARCH), tmp_path / "hf",
+                         max_shard_bytes=SMALL_SHARD)
+    full = load_hf_state_dict(tmp_path / "hf")
+    boxes = [(slice(2, 5), slice(20, 45), slice(0, 64)), (slice(7, 8), slice(0, 64), slice(3, 9)),
+             (slice(4, 4), slice(0, 64), slice(0, 64)), (slice(0, 8), slice(40, 40), slice(0, 64))]
+    with _disk_sources(tmp_path / "hf") as sources:
+        src = sources["model.layers.1.mlp.experts.gate_up_proj"]
+        for box in boxes:
+            assert torch.equal(src.read(box), full["model.layers.1.mlp.experts.gate_up_proj"][box]), box
+
+
+def _sharded_hf_load_worker(rank: int, init_file: str, hf_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with torch.device("meta"):
+            model = get_spec("qwen3_moe").model_cls(build_args("qwen3_moe", ARCH))
+        for layer in model.model.layers:  # experts sharded on dim 1 (rows), the rest on dim 0
+            fully_shard(layer.mlp.experts, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        load_hf_into_model(model, hf_dir)
+        full = load_hf_state_dict(hf_dir)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.full_tensor(), full[name]), name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_rank_reads_its_own_slices_into_an_fsdp_model(tmp_path: Path) -> None:
+    export_state_dict_hf(_model().state_dict(), "qwen3_moe", build_args("qwen3_moe", ARCH), tmp_path / "hf",
+                         max_shard_bytes=SMALL_SHARD)
+    mp.spawn(_sharded_hf_load_worker, args=(str(tmp_path / "pg_init"), str(tmp_path / "hf")), nprocs=2)
