@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -115,3 +116,20 @@ def test_the_readme_command_runs_the_default_config(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step     2/2" in out.stdout + out.stderr
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_model_hf_builds_from_config_json_and_loads_the_weights(tiny_run_config, tmp_path, caplog):
+    first = train.run(tiny_run_config("train.steps=0"))[0]  # saves its (initial) weights
+    from models.hf_io import export_state_dict_hf
+    cfg = tiny_run_config("train.steps=0")
+    export_state_dict_hf(load_file(Path(cfg.train.output_dir) / "model.safetensors"), "qwen3_moe",
+                         build_args("qwen3_moe", dict(cfg.model.arch)), tmp_path / "hf")
+    hf_cfg = dataclasses.replace(cfg, model=compose_config(["model=hf", f"model.init_from={tmp_path / 'hf'}"]).model,
+                                 train=dataclasses.replace(cfg.train, output_dir=str(tmp_path / "hf-run")))
+    assert train.run(hf_cfg)[0]["loss"] == pytest.approx(first["loss"], rel=1e-6)
+    assert "num_experts: 8" in (tmp_path / "hf-run" / "config.yaml").read_text()  # the resolved architecture
+    # A named preset with init_from: differences are listed, and weights that cannot fit are an error.
+    with pytest.raises(ValueError, match="mis-shaped"):
+        train.run(tiny_run_config(f"model.init_from={tmp_path / 'hf'}", "model.arch.moe_intermediate_size=8",
+                                  "train.steps=0"))
+    assert "moe_intermediate_size: preset 8 vs config.json 16" in caplog.text
