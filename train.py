@@ -30,7 +30,7 @@ from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, sav
 from training.config import TrainConfig, register_schema, validate
 from training.data import build_data_loader
 from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
-from training.metrics import MetricLogger, progress_line
+from training.metrics import MetricLogger, moe_metrics, progress_line, routing_summary
 from training.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger("train")
@@ -73,6 +73,7 @@ class StepResult(NamedTuple):
     aux_loss: float
     grad_norm: float
     updated: bool
+    routing_LX: torch.Tensor  # per MoE layer: [slots per expert (E) | entropy sum | tokens], this rank's share
 
 
 def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
@@ -84,7 +85,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     if dims.data_group is not None:
         dist.all_reduce(num_tokens, group=dims.data_group)
     num_tokens = num_tokens.clamp(min=1.0)
-    ce_share = aux_share = 0.0
+    ce_share = aux_share = routing_LX = 0.0
     for batch in batches:
         with autocast:
             out = model(batch["input_ids"], batch["position_ids"])
@@ -92,6 +93,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         aux = aux_loss_share(out.router_stats, num_experts, dims.data_group) / len(batches)
         ((ce + aux_coef * aux) * dims.grad_scale).backward()
         ce_share, aux_share = ce_share + ce.detach(), aux_share + aux.detach()
+        routing_LX = routing_LX + routing_summary(out.router_stats)
     grad_norm = parallelisms.clip_grad_norm_(model, cfg.optim.grad_clip, dims)
     losses = torch.stack([ce_share, aux_share])
     if dims.data_group is not None:
@@ -105,7 +107,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, aux_loss, norm, update and finite)
+    return StepResult(loss, aux_loss, norm, update and finite, routing_LX)
 
 
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -187,7 +189,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         step_time = time.perf_counter() - step_start
         tokens = cfg.train.grad_accum_steps * cfg.train.local_batch_size * cfg.data.seq_len * dims.dp
         per_device = tokens / step_time / dims.world_size
-        metrics = {
+        metrics: dict[str, Any] = {
             "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "grad_norm": result.grad_norm,
             "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens,
             "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
@@ -196,6 +198,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         }
         history.append(metrics)
         if step % cfg.logging.log_every == 0 or step == steps[-1]:
+            metrics.update(moe_metrics(result.routing_LX, dims.data_group))
             metric_logger.log(metrics)
             if dims.rank == 0:
                 eta = (time.perf_counter() - start) / done * (len(steps) - done)

@@ -23,6 +23,7 @@ class RouterStats:
     counts_E: torch.Tensor  # routed slots per expert (fp32, no grad)
     prob_sum_E: torch.Tensor  # sum over tokens of the router probability of each expert (fp32, with grad)
     num_tokens: int
+    entropy_sum: torch.Tensor  # sum over tokens of the routing distribution's entropy (fp32, no grad)
 
 
 class TopKRouter(nn.Module):
@@ -41,10 +42,13 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
         num_experts = probs_NE.shape[-1]
+        with torch.no_grad():
+            entropy_sum = -(probs_NE * probs_NE.clamp_min(1e-20).log()).sum()
         stats = RouterStats(
             counts_E=torch.bincount(experts_NK.flatten(), minlength=num_experts).float(),
             prob_sum_E=probs_NE.sum(dim=0),
             num_tokens=x_ND.shape[0],
+            entropy_sum=entropy_sum,
         )
         return weights_NK.to(logits_NE.dtype), experts_NK, stats
 

@@ -9,6 +9,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from models.moe import RouterStats
 from training.config import LoggingConfig
 
 logger = logging.getLogger("train")
@@ -67,10 +71,32 @@ def progress_line(m: dict[str, Any], total_steps: int, eta_s: float) -> str:
     mfu = f" | mfu {m['mfu']:.1%}" if m.get("mfu") is not None else ""
     return (f"step {m['step']:>5}/{total_steps} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
             f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_s_per_device']:,.0f} tok/s/dev"
-            f"{mfu} | mem {m['peak_mem_gib']:.2f} GiB | eta {_hms(eta_s)}")
+            f"{mfu} | moe imb {m['moe/max_imbalance']:.2f} | mem {m['peak_mem_gib']:.2f} GiB | eta {_hms(eta_s)}")
 
 
 def _hms(seconds: float) -> str:
     minutes, s = divmod(int(seconds), 60)
     h, minutes = divmod(minutes, 60)
     return f"{h}h{minutes:02d}m{s:02d}s" if h else f"{minutes}m{s:02d}s"
+
+
+def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
+    """[L, E + 2] per MoE layer: routed slots per expert, entropy sum, token count (no grad, stays on device)."""
+    return torch.stack([torch.cat([s.counts_E, s.entropy_sum.reshape(1), s.counts_E.new_tensor([s.num_tokens])])
+                        for s in stats]).detach()
+
+
+def moe_metrics(routing_LX: torch.Tensor, group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Per layer over the global batch: load imbalance (max / mean slots per expert; 1 is perfect balance)
+    and mean router entropy (nats); plus the worst imbalance over layers."""
+    if group is not None:
+        routing_LX = routing_LX.clone()
+        dist.all_reduce(routing_LX, group=group)
+    counts_LE, entropy_L, tokens_L = routing_LX[:, :-2], routing_LX[:, -2], routing_LX[:, -1]
+    imbalance_L = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp_min(1e-9)).tolist()
+    entropy_L = (entropy_L / tokens_L.clamp_min(1)).tolist()
+    out: dict[str, float] = {"moe/max_imbalance": max(imbalance_L)}
+    for layer, (imbalance, entropy) in enumerate(zip(imbalance_L, entropy_L)):
+        out[f"moe/layer{layer}/imbalance"] = imbalance
+        out[f"moe/layer{layer}/router_entropy"] = entropy
+    return out
