@@ -29,6 +29,7 @@ from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, sav
                                  set_rng_state)
 from training.config import TrainConfig, register_schema, validate
 from training.data import build_data_loader
+from training.launch import needs_torchrun, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
 from training.metrics import MetricLogger, moe_metrics, progress_line, routing_summary
 from training.optim import build_optimizer, build_scheduler
@@ -249,6 +250,13 @@ register_schema()
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
+    if needs_torchrun(cfg.launch):
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra_cfg = HydraConfig.get()
+        relaunch_with_torchrun(cfg.launch, list(hydra_cfg.overrides.task),
+                               cfg.train.output_dir or hydra_cfg.runtime.output_dir)
+        return
     try:
         run(cfg)
     finally:

@@ -31,6 +31,7 @@ class ModelSpec:
     hf_prefixes: tuple[tuple[str, str], ...] = (("model.", "model."), ("lm_head.", "lm_head."))
     # Module with the family's config.json translation and on-disk expert names (see models/hf_io.py).
     hf_names: str = "models.{model_type}.hf_names"
+    hf_export_type: str | None = None  # export as this registered model_type instead (e.g. multimodal -> text)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -59,5 +60,10 @@ def build_args(model_type: str, arch: dict[str, Any]):
 
 
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))
+# Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model;
+# the vision tower and MTP head match no prefix and are skipped). Both export as the text model.
+register(ModelSpec("qwen3_5_moe_text", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
+                   hf_names="models.qwen3_5_moe.hf_names"))
 register(ModelSpec("qwen3_5_moe", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
-                   hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head."))))
+                   hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
+                   hf_export_type="qwen3_5_moe_text"))

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -36,6 +37,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models import ModelSpec, build_args, get_spec
+
+logger = logging.getLogger(__name__)
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -161,12 +164,14 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.(\d+)\.(.+)$")
     sources: dict[str, _Source] = {}
     per_expert: dict[str, dict[tuple[int, int], Any]] = defaultdict(dict)  # fused name -> {(part, expert): slice}
+    skipped: list[str] = []
     with contextlib.ExitStack() as stack:
         for path in _checkpoint_files(hf_dir):
             f = stack.enter_context(safe_open(path, framework="pt"))
             for disk_name in f.keys():
                 name = _to_ours(spec, disk_name)
                 if name is None:
+                    skipped.append(disk_name)
                     continue
                 match = per_expert_re.match(name)
                 if match and match[3] in part_of:
@@ -187,6 +192,10 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
                                                for j in range(num_experts)])
         if gaps:
             raise ValueError(f"checkpoint lacks {len(gaps)} per-expert tensors (our names): {', '.join(gaps)}")
+        if skipped:
+            groups = sorted({".".join(name.split(".")[:2]) for name in skipped})
+            logger.info("%s: skipped %d tensors outside the %s text model (%s)", hf_dir, len(skipped),
+                        spec.model_type, ", ".join(groups))
         yield sources
 
 
@@ -341,10 +350,11 @@ def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str
     loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
     it (default: keep the state dict's)."""
     spec = get_spec(model_type)
+    spec = get_spec(spec.hf_export_type) if spec.hf_export_type else spec
     with torch.device("meta"):
         check_state_dict(spec.model_cls(args), state_dict)
     dtype = dtype or next(iter(state_dict.values())).dtype
-    config = {"architectures": [spec.hf_architecture], "model_type": model_type,
+    config = {"architectures": [spec.hf_architecture], "model_type": spec.model_type,
               **_hf_names(spec).config_from_arch(args), "torch_dtype": str(dtype).removeprefix("torch.")}
     tensors = _disk_tensors(spec, state_dict)
 

@@ -98,23 +98,30 @@ def synthetic_batches(steps: int, global_batch: int, seq_len: int, vocab_size: i
     return torch.randint(0, vocab_size, (steps, global_batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
 
 
-def train_steps(model: torch.nn.Module, dims, tokens_SGT1: torch.Tensor, lr: float = 1e-2,
-                max_norm: float = 0.5) -> list[dict[str, float]]:
-    """The training step of train.py in a few lines: loss shares normalised by the global token count,
-    backward with grad_scale, cross-mesh clipping, AdamW. This rank reads its dp slice of every batch."""
-    from parallelisms import clip_grad_norm_
+def loss_share(model: torch.nn.Module, dims, tokens_GT1: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the global loss on its dp slice of the global batch, normalised as train.py does
+    (by the global token count; the aux loss from globally reduced routing counts)."""
     from training.loss import aux_loss_share, cross_entropy_sum
 
+    rows = tokens_GT1.shape[0] // dims.dp
+    tokens_BT1 = tokens_GT1[dims.dp_rank * rows:(dims.dp_rank + 1) * rows]
+    labels_BT = tokens_BT1[:, 1:]
+    out = model(tokens_BT1[:, :-1])
+    ce = cross_entropy_sum(out.logits, labels_BT) / labels_BT.numel() / dims.dp
     args = model.args
+    return ce + args.router_aux_loss_coef * aux_loss_share(out.router_stats, args.num_experts, dims.data_group)
+
+
+def train_steps(model: torch.nn.Module, dims, tokens_SGT1: torch.Tensor, lr: float = 1e-2,
+                max_norm: float = 0.5) -> list[dict[str, float]]:
+    """The training step of train.py in a few lines: loss share, backward with grad_scale, cross-mesh
+    clipping, AdamW; returns the global loss and grad norm of every step."""
+    from parallelisms import clip_grad_norm_
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    rows = tokens_SGT1.shape[1] // dims.dp
     history = []
     for step, tokens_GT1 in enumerate(tokens_SGT1, 1):
-        tokens_BT1 = tokens_GT1[dims.dp_rank * rows:(dims.dp_rank + 1) * rows]
-        labels_BT = tokens_BT1[:, 1:]
-        out = model(tokens_BT1[:, :-1])
-        ce = cross_entropy_sum(out.logits, labels_BT) / labels_BT.numel() / dims.dp
-        share = ce + args.router_aux_loss_coef * aux_loss_share(out.router_stats, args.num_experts, dims.data_group)
+        share = loss_share(model, dims, tokens_GT1)
         (share * dims.grad_scale).backward()
         grad_norm = clip_grad_norm_(model, max_norm, dims)
         optimizer.step()

@@ -54,7 +54,7 @@ def test_chunked_matches_recurrent(chunk_size: int) -> None:
     assert max(errors.values()) < 1e-5, errors
 
 
-def test_scale_and_no_l2norm_and_dtypes() -> None:
+def test_scale_no_l2norm_autocast_and_dtypes() -> None:
     inputs = _inputs(seed=2)
     kwargs = dict(scale=0.3, output_final_state=True)
     # Without the in-kernel l2norm, keys must stay small for the recurrence to be stable: unit-norm rows.
@@ -63,6 +63,8 @@ def test_scale_and_no_l2norm_and_dtypes() -> None:
     o_r, s_r = recurrent_gated_delta_rule(**inputs, **kwargs)
     torch.testing.assert_close(o_c, o_r, rtol=0, atol=1e-5)
     torch.testing.assert_close(s_c, s_r, rtol=0, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # must not push the products and solves into bf16
+        torch.testing.assert_close(chunk_gated_delta_rule(**inputs, chunk_size=16, **kwargs)[0], o_c)
     # FLA's contract: the output in the input dtype, the state in fp32; none requested -> None.
     bf16 = {name: x.bfloat16() for name, x in inputs.items()}
     o, state = chunk_gated_delta_rule(**bf16, chunk_size=16, scale=0.3)

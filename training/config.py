@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 from parallelisms.config import ParallelConfig
 from training.checkpoint import CheckpointConfig
 from training.data import DataConfig, validate_data_config
+from training.launch import LaunchConfig
 
 
 @dataclass
@@ -73,6 +74,7 @@ class TrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
 def register_schema() -> None:
@@ -95,6 +97,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r} must be stop or skip")
     _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: off)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    _check(cfg.launch.nproc_per_node >= 1, f"launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
     _check(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")

@@ -15,11 +15,13 @@ i*H/h .. (i+1)*H/h - 1, as in FLA and transformers), k key dim, v value dim, C c
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
+R = TypeVar("R")
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -41,6 +43,18 @@ def _head_major_fp32(q_BThk: Tensor, k_BThk: Tensor, v_BTHv: Tensor, g_BTH: Tens
     return tuple(x.float().transpose(1, 2) for x in (q_BTHk, k_BTHk, v_BTHv, g_BTH, beta_BTH))
 
 
+def _fp32(rule: Callable[..., R]) -> Callable[..., R]:
+    """Run ``rule`` with autocast off: its products and triangular solves must stay in fp32 (FLA's kernels
+    accumulate in fp32 too), and autocast would put them in bf16."""
+
+    @functools.wraps(rule)
+    def wrapper(q: Tensor, *args: Any, **kwargs: Any) -> R:
+        with torch.autocast(q.device.type, enabled=False):
+            return rule(q, *args, **kwargs)
+
+    return wrapper
+
+
 def _initial_state(initial_state_BHkv: Tensor | None, v_BHTv: Tensor, k_dim: int) -> Tensor:
     if initial_state_BHkv is not None:
         return initial_state_BHkv.float()
@@ -48,6 +62,7 @@ def _initial_state(initial_state_BHkv: Tensor | None, v_BHTv: Tensor, k_dim: int
     return v_BHTv.new_zeros(B, H, k_dim, v_dim)
 
 
+@_fp32
 def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
@@ -94,6 +109,7 @@ def chunk_gated_delta_rule(
     return o_BHTv.transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None
 
 
+@_fp32
 def recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,

@@ -1,0 +1,66 @@
+"""How Qwen3.5-MoE is written in Hugging Face ``config.json`` files and checkpoints (read by ``models/hf_io.py``).
+
+Two layouts: the text model (``model_type: qwen3_5_moe_text``, tensors under ``model.layers.N``) and the
+published multimodal one (``qwen3_5_moe``: the text hyper-parameters under ``text_config``, text tensors under
+``model.language_model.layers.N``, plus ``model.visual.*`` and ``mtp.*`` that a text trainer skips). Experts are
+per-expert on disk as for Qwen3-MoE (fused names are accepted too); ``rope_parameters`` nests the rotary
+settings. Export always writes the text layout, which ``AutoModelForCausalLM`` loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.qwen3_5_moe.args import Qwen3_5MoeArgs
+
+EXPERT_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
+    "down_proj": ("down_proj.weight",),
+}
+
+# transformers' Qwen3_5MoeTextConfig defaults: a key missing from config.json means these values.
+_HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "router_aux_loss_coef": 0.001,
+    "max_position_embeddings": 32768, "initializer_range": 0.02, "layer_types": None,
+}
+_ROPE_DEFAULTS: dict[str, Any] = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                  "mrope_section": [11, 11, 10]}
+_OFF: tuple[tuple[str, Any], ...] = (("attention_bias", False), ("hidden_act", "silu"), ("attention_dropout", 0.0))
+
+
+def _text(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("text_config") or cfg
+
+
+def unsupported(cfg: dict[str, Any]) -> list[str]:
+    text = _text(cfg)
+    problems = [f"{key}={text[key]!r} (supported: {off!r})"
+                for key, off in _OFF if text.get(key) is not None and text[key] != off]
+    rope = text.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope type {rope['rope_type']!r} (supported: 'default')")
+    return problems
+
+
+def arch_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    text = _text(cfg)
+    arch = {key: text.get(key, default) for key, default in _HF_DEFAULTS.items()}
+    rope = text.get("rope_parameters") or {}
+    arch.update({key: rope.get(key, text.get(key, default)) for key, default in _ROPE_DEFAULTS.items()})
+    arch["rope_theta"] = float(arch["rope_theta"])
+    arch["tie_word_embeddings"] = cfg.get("tie_word_embeddings", arch["tie_word_embeddings"])
+    return arch
+
+
+def config_from_arch(args: Qwen3_5MoeArgs) -> dict[str, Any]:
+    """A text-model config.json (``qwen3_5_moe_text``), as transformers' save_pretrained writes it."""
+    config = {key: getattr(args, key) for key in _HF_DEFAULTS}
+    config["layer_types"] = args.resolved_layer_types()
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": args.rope_theta,
+                                 "partial_rotary_factor": args.partial_rotary_factor,
+                                 "mrope_section": list(args.mrope_section), "mrope_interleaved": True}
+    return {**config, **dict(_OFF)}
