@@ -27,7 +27,7 @@ from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, pre
 from training import device
 from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_model_weights,
                                  set_rng_state)
-from training.config import TrainConfig, register_schema, validate
+from training.config import TrainConfig, register_schema, to_train_config, validate
 from training.data import build_data_loader
 from training.launch import needs_torchrun, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
@@ -249,7 +249,7 @@ register_schema()
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
+    cfg = to_train_config(dict_cfg)
     if needs_torchrun(cfg.launch):
         from hydra.core.hydra_config import HydraConfig
 

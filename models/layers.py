@@ -1,27 +1,46 @@
-"""Building blocks shared by the model families: RMSNorm and rotary position embeddings.
+"""Building blocks shared by the model families: RMSNorm, SwiGLU and rotary position embeddings.
 
 Shape letters used across models/: B batch, T sequence, D hidden, H query heads, Hkv key/value heads,
 Dh head dim, E experts, K top-k, I expert intermediate, N tokens (B*T), M routed rows (N*K).
+
+Kernel slots: a module class may declare ``kernel_slots`` (attribute -> op name). It calls that op through the
+attribute, which holds the torch reference by default; ``kernels.registry.apply_kernels`` installs device kernels
+with the same signature from the outside, so the model never imports a device package.
 """
 
 from __future__ import annotations
 
+from typing import Callable, ClassVar, Mapping
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as transformers' Qwen3 RMSNorm."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
     """``w * x / rms(x)`` with the normalisation in fp32, as transformers' Qwen3 RMSNorm."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"norm_fn": "rms_norm"}
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.norm_fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.norm_fn(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -82,7 +82,8 @@ class ParallelDims(ParallelSizes):
     def grad_scale(self) -> float:
         """Factor on each rank's loss share before backward. Every gradient reduction divides the sum over
         ranks by dp x cp (DDP and FSDP average over the world; the expert FSDP divide factor is set to
-        dp x cp too, see ``parallelize``), while the global gradient is the plain *sum* of the shares'."""
+        dp x cp too, see ``parallelize``), while the gradient of the global loss is the plain *sum* of the
+        shares' gradients."""
         return float(self.dp * self.cp)
 
 
@@ -106,6 +107,8 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, rank: int, device_
 
 
 def _build_meshes(s: ParallelSizes, device_type: str) -> dict[str, DeviceMesh]:
+    # _unflatten / _flatten / _concatenate are DeviceMesh's private layout API (torch 2.11-2.13, as torchtitan
+    # uses it); the tests build every layout, so a change in a later torch shows up there first.
     world = init_device_mesh(device_type, (s.world_size,), mesh_dim_names=("world",))
     data = world._unflatten(0, (s.dp, s.cp), ("dp", "cp"))
     model = world._unflatten(0, (s.mp_replicate, s.mp_shard), ("mp_replicate", "mp_shard"))

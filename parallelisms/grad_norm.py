@@ -48,7 +48,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims: ParallelDims) -> to
             grads.append(_local(p.grad))
     total = torch.zeros((), dtype=torch.float32, device=_local(params[0]).device)
     for groups, grads in grads_by_groups.items():
-        sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros_like(total)
+        sq = (torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum() if grads
+              else torch.zeros_like(total))
         for group in groups:
             dist.all_reduce(sq, group=group)
         total += sq

@@ -34,7 +34,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
         return model
     if cfg.backend.name == "ddp":
         # The composable DDP: parameter names stay unchanged (no "module." prefix), and DDP itself is built
-        # lazily at the first forward, after the meta model has been materialised and initialised.
+        # lazily at the first forward, after the meta model has been materialised and initialised. Parameters
+        # stay in their dtype: bf16 compute under DDP is the caller's autocast.
         return replicate(model, device_id=local_device(dims.mesh("world").device_type))
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return _apply_fsdp2_plan(model, spec, dims, cfg.backend, mp_policy)

@@ -174,18 +174,18 @@ def plot_losses(runs: list[Run], path: Path) -> None:
     panels = 2 if len(runs) > 1 else 1
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.5 * panels), sharex=True, squeeze=False)
     top = axes[0][0]
-    for run in runs:
+    for i, run in enumerate(runs):  # color C<i>: run i has one color in both panels
         steps = list(run.metrics)
-        top.plot(steps, run.losses(steps), label=run.label, linewidth=1.2)
+        top.plot(steps, run.losses(steps), label=run.label, color=f"C{i}", linewidth=1.2)
     top.set_ylabel("loss")
     top.legend(fontsize=8)
     top.grid(alpha=0.3)
     if panels == 2:
         ref, bottom = runs[0], axes[1][0]
-        for run in runs[1:]:
+        for i, run in enumerate(runs[1:], start=1):
             steps = sorted(ref.metrics.keys() & run.metrics.keys())
             diffs = [y - x for x, y in zip(ref.losses(steps), run.losses(steps))]
-            bottom.plot(steps, diffs, label=f"{run.label} - {ref.label}", linewidth=1.2)
+            bottom.plot(steps, diffs, label=f"{run.label} - {ref.label}", color=f"C{i}", linewidth=1.2)
         bottom.axhline(0.0, color="black", linewidth=0.6)
         bottom.set_ylabel("loss difference")
         bottom.legend(fontsize=8)

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from training.config import TrainConfig, register_schema
+from training.config import TrainConfig, register_schema, to_train_config
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -25,7 +24,7 @@ def compose_config(overrides: list[str]) -> TrainConfig:
     """The TrainConfig that ``python train.py <overrides>`` would run with."""
     register_schema()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose(config_name="config", overrides=overrides))
+        return to_train_config(compose(config_name="config", overrides=overrides))
 
 
 def write_tokens(path: Path, num_tokens: int, vocab_size: int = 256, seed: int = 0) -> Path:

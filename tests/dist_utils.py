@@ -1,4 +1,5 @@
-"""Run a function on N local CPU processes joined in a gloo process group, under pytest.
+"""Run a function on N local processes joined in one process group (gloo on CPU, or nccl with one GPU per
+rank), under pytest.
 
 ``run_distributed(fn, world_size, *args)`` spawns the ranks, calls ``fn(rank, world_size, *args)`` in each
 and returns rank 0's return value. A failure in any rank fails the calling test with that rank's
@@ -27,11 +28,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, result_path: str, args: tuple) -> None:
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, result_path: str, backend: str,
+            args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # N ranks share 2 cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    device_id = None
+    if backend == "nccl":
+        device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
+                            device_id=device_id)
     try:
         result = fn(rank, world_size, *args)
         if rank == 0:
@@ -40,11 +47,12 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, resul
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300) -> Any:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                    timeout_s: float = 300) -> Any:
     """``fn`` must be importable (a module-level function) because the ranks are spawned, not forked."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = str(Path(tmp) / "result.pt")
-        context = mp.start_processes(_worker, args=(fn, world_size, _free_port(), result_path, args),
+        context = mp.start_processes(_worker, args=(fn, world_size, _free_port(), result_path, backend, args),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=1):  # raises ProcessRaisedException with the rank's traceback

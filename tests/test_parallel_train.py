@@ -18,31 +18,39 @@ WORLD, LOCAL_BATCH = 4, 2
 PRESETS = ["ddp", "fsdp2", "hsdp", "ep2", "ep4", "ep2_edp2"]
 
 
-def _config(tmp_path: Path, parallel: str, local_batch: int):
+def train_config(tmp_path: Path, parallel: str, local_batch: int, *overrides: str, run: str | None = None,
+                 device: str = "cpu", mixed_precision: str = "fp32"):
+    """3 steps of the tiny model from tmp_path/hf on tmp_path/tokens.npy, with clipping active."""
     hf_dir, tokens = tmp_path / "hf", tmp_path / "tokens.npy"
     return compose_config([
         *TINY_MODEL, f"model.init_from={hf_dir}", f"parallel={parallel}", "data=tokens", f"data.path={tokens}",
-        "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / parallel}",
+        "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / (run or parallel)}",
         "train.steps=3", f"train.local_batch_size={local_batch}", "train.save_final=false", "optim.warmup_steps=0",
-        "optim.lr=1e-2", "optim.grad_clip=0.5", "logging.tensorboard=false",
+        "optim.lr=1e-2", "optim.grad_clip=0.5", "logging.tensorboard=false", f"train.device={device}",
+        f"train.mixed_precision={mixed_precision}", *overrides,
     ])
 
 
-def _train_worker(rank: int, world_size: int, cfgs: dict) -> dict:
+def write_inputs(tmp_path: Path, arch: dict) -> None:
+    """The token file and the Hugging Face checkpoint of a seeded model that every run starts from."""
+    write_tokens(tmp_path / "tokens.npy", 4096)
+    args = build_args("qwen3_moe", arch)
+    model = get_spec("qwen3_moe").model_cls(args)
+    model.load_state_dict(seeded_weights(args))
+    export_hf(model, "qwen3_moe", tmp_path / "hf")
+
+
+def train_worker(rank: int, world_size: int, cfgs: dict) -> dict:
     return {name: train.run(cfg) for name, cfg in cfgs.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("parallel_train")
-    write_tokens(tmp_path / "tokens.npy", 4096)
-    single = _config(tmp_path, "single", LOCAL_BATCH * WORLD)
-    args = build_args("qwen3_moe", dict(single.model.arch))
-    model = get_spec("qwen3_moe").model_cls(args)
-    model.load_state_dict(seeded_weights(args))
-    export_hf(model, "qwen3_moe", tmp_path / "hf")
+    single = train_config(tmp_path, "single", LOCAL_BATCH * WORLD)
+    write_inputs(tmp_path, dict(single.model.arch))
     reference = train.run(single)
-    results = run_distributed(_train_worker, WORLD, {p: _config(tmp_path, p, LOCAL_BATCH) for p in PRESETS})
+    results = run_distributed(train_worker, WORLD, {p: train_config(tmp_path, p, LOCAL_BATCH) for p in PRESETS})
     return reference, results
 
 

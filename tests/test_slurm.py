@@ -197,7 +197,7 @@ class Job:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def info(self) -> dict[str, str]:
-        """scontrol's fields of the job (kept by slurmctld for MinJobAge after it ends)."""
+        """scontrol's fields of the job (slurmctld forgets a finished job after MinJobAge: 5 s here)."""
         line = slurm(self.env, "scontrol", "show", "job", "-o", self.id)
         return dict(re.findall(r"(\w+)=(\S*)", line))
 
@@ -215,10 +215,11 @@ class Job:
             time.sleep(0.1)
 
     def release_when_requeued(self, restarts: int) -> None:
-        """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime): let it start again at once."""
+        """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime): let it start again in 2 s. Not at
+        once: slurmd refuses a credential issued in the second it revoked the job's previous one."""
         self.wait_for(lambda: self.info()["JobState"] == "PENDING" and self.info()["Restarts"] == str(restarts),
                       f"requeue number {restarts}")
-        slurm(self.env, "scontrol", "update", f"jobid={self.id}", "starttime=now")
+        slurm(self.env, "scontrol", "update", f"jobid={self.id}", "starttime=now+2")
 
     def cancel(self) -> None:
         subprocess.run(["scancel", self.id], env=self.env, timeout=60)
@@ -234,8 +235,8 @@ def reference_job(cluster, job_dir, train_args) -> Iterator[Job]:
 
 def test_one_node_job_trains_in_its_job_directory(reference_job):
     job = reference_job
+    # sbatch --wait exits with the job's exit code.
     assert job.done.returncode == 0, f"job {job.id} failed; log:\n{job.log()[-4000:]}"
-    assert job.info()["JobState"] == "COMPLETED"
     metrics = job.metrics()
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert {"loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_device", "mfu", "peak_mem_gib"} <= set(metrics[-1])
@@ -285,3 +286,22 @@ def test_requeued_job_resumes_from_its_checkpoints_onto_the_uninterrupted_curve(
     reference = reference_job.metrics()
     for key in ("loss", "grad_norm", "lr"):
         assert [m[key] for m in metrics] == pytest.approx([m[key] for m in reference], rel=1e-6), key
+
+
+def test_two_rank_job_on_one_node_stops_together_and_resumes(cluster, job_dir, train_args):
+    # NPROC_PER_NODE at submission: 2 gloo ranks under one torchrun, experts split over them (parallel=ep2).
+    # Both ranks get SIGTERM (from Slurm and again from torchrun); they must stop at one step and save together.
+    job = Job({**cluster, "NPROC_PER_NODE": "2"}, job_dir, [*train_args, "parallel=ep2"])
+    try:
+        job.wait_for(lambda: bool(complete_checkpoint_steps(job.run_dir)), "a first checkpoint")
+        slurm(job.env, "scontrol", "requeue", job.id)
+        job.release_when_requeued(restarts=1)
+        job.wait_for(lambda: job.info()["JobState"] == "COMPLETED", "completion")
+    finally:
+        job.cancel()
+    log = job.log()
+    assert "--nproc_per_node 2" in log
+    [resumed] = resumed_steps(log)
+    assert 2 <= resumed < STEPS
+    assert [m["step"] for m in job.metrics()] == list(range(1, STEPS + 1))
+    assert job.info()["ExitCode"] == "0:0"

@@ -79,6 +79,8 @@ def test_unknown_config_key_is_rejected_by_name():
         train.run(cfg)
     with pytest.raises(ConfigCompositionException, match="stepz"):
         compose_config(["train.stepz=3"])
+    with pytest.raises(ValueError, match=r"parallel.backend has unknown keys \['cp_size'\]"):  # Hydra's + adds it
+        compose_config(["+parallel.backend.cp_size=2"])
 
 
 @pytest.mark.parametrize("override, message", [

@@ -4,10 +4,13 @@ process group exists."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 from parallelisms.config import ParallelConfig
 from training.checkpoint import CheckpointConfig
@@ -75,6 +78,24 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def to_train_config(node: DictConfig) -> TrainConfig:
+    """The typed config of a composed Hydra node. Hydra's ``+key=value`` can add keys the schema lacks, which
+    ``OmegaConf.to_object`` would drop silently: reject them by name instead (``model.arch`` is free-form
+    and checked against the model family)."""
+    _reject_unknown_keys(TrainConfig, node, "")
+    return OmegaConf.to_object(node)
+
+
+def _reject_unknown_keys(schema: type, node: DictConfig, path: str) -> None:
+    types = typing.get_type_hints(schema)
+    unknown = sorted(set(node) - set(types))
+    if unknown:
+        raise ValueError(f"{path or 'config'} has unknown keys {unknown}; known: {sorted(types)}")
+    for key in node:
+        if dataclasses.is_dataclass(types[key]):
+            _reject_unknown_keys(types[key], node[key], f"{path}.{key}".lstrip("."))
 
 
 def register_schema() -> None:

@@ -4,15 +4,17 @@ decoding cache)."""
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, ClassVar, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
-from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule
+from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.qwen3_5_moe.layers import GatedRMSNorm
+
+DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # chunk_gated_delta_rule's signature
 
 
 class GatedDeltaNet(nn.Module):
@@ -22,7 +24,13 @@ class GatedDeltaNet(nn.Module):
 
     ``self.delta_rule`` has ``chunk_gated_delta_rule``'s signature: the torch reference by default; a kernel
     registry may set a device kernel (e.g. flash-linear-attention's) or another chunk size per module.
+    ``self.recurrent_delta_rule`` (the token-by-token form) serves short sequences evaluated without autograd.
     """
+
+    kernel_slots: ClassVar[Mapping[str, str]] = {"delta_rule": "chunk_gated_delta_rule",
+                                                 "recurrent_delta_rule": "fused_recurrent_gated_delta_rule"}
+    # FLA's layers switch to the recurrent kernel (which has no backward) at this length and below.
+    max_recurrent_len: ClassVar[int] = 64
 
     def __init__(self, args: Qwen3_5MoeArgs) -> None:
         super().__init__()
@@ -43,8 +51,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
-        self.delta_rule: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = functools.partial(
-            chunk_gated_delta_rule, chunk_size=64)
+        self.delta_rule: DeltaRule = functools.partial(chunk_gated_delta_rule, chunk_size=64)
+        self.recurrent_delta_rule: DeltaRule = recurrent_gated_delta_rule
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -54,7 +62,8 @@ class GatedDeltaNet(nn.Module):
         beta_BTH = torch.sigmoid(self.in_proj_b(x_BTD))
         # fp32: in bf16/fp16, exp(A_log) times softplus could overflow or lose the decay's precision.
         g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
-        o_BTHv, _ = self.delta_rule(
+        recurrent = T <= self.max_recurrent_len and not self.training and not torch.is_grad_enabled()
+        o_BTHv, _ = (self.recurrent_delta_rule if recurrent else self.delta_rule)(
             q_BTF.reshape(B, T, self.num_k_heads, self.head_k_dim),
             k_BTF.reshape(B, T, self.num_k_heads, self.head_k_dim),
             v_BTF.reshape(B, T, self.num_v_heads, self.head_v_dim),

@@ -3,27 +3,39 @@ attention with partial rotary, and the MoE block with a gated shared expert."""
 
 from __future__ import annotations
 
+from typing import ClassVar, Mapping
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.layers import RMSNorm, apply_rotary, rotary_cos_sin
+from models.layers import RMSNorm, apply_rotary, rms_norm, rotary_cos_sin, swiglu
 from models.moe import RouterStats, SparseMoeBlock
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + w) * x / rms(x)``, all in fp32 before the one cast back."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm(x) * silu(z)``, the gate applied in fp32."""
+    return (rms_norm(x, weight, eps) * F.silu(z.float())).to(x.dtype)
 
 
 class OffsetRMSNorm(RMSNorm):
     """``(1 + w) * x / rms(x)`` with the weight stored as an offset (init 0) and applied in fp32 before the cast back,
     as transformers' Qwen3_5MoeRMSNorm (layer, final, q and k norms)."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"norm_fn": "offset_rms_norm"}
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
+        self.norm_fn = offset_rms_norm
         self.reset_parameters()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
@@ -32,8 +44,14 @@ class OffsetRMSNorm(RMSNorm):
 class GatedRMSNorm(RMSNorm):
     """``w * x / rms(x) * silu(z)``, the gate applied in fp32: DeltaNet's output norm (plain weight, init 1)."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"norm_fn": "gated_rms_norm"}
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.norm_fn = gated_rms_norm
+
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (super().forward(x) * F.silu(z.float())).to(x.dtype)
+        return self.norm_fn(x, z, self.weight, self.eps)
 
 
 def mrope_streams(rotary_dim: int, mrope_section: list[int]) -> torch.Tensor:
@@ -67,6 +85,8 @@ class GatedAttention(nn.Module):
     """GQA with (1 + w) q/k norms, RoPE on the first rotary_dim channels of each head, and an output gate:
     q_proj emits [q_h | gate_h] per head, out = o_proj(attn * sigmoid(gate))."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"rotary": "apply_rotary"}
+
     def __init__(self, args: Qwen3_5MoeArgs) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -78,6 +98,7 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
         self.q_norm = OffsetRMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, args.rms_norm_eps)
+        self.rotary = apply_rotary
 
     def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -85,7 +106,7 @@ class GatedAttention(nn.Module):
         q_BHTd = self.q_norm(q_BTHd).transpose(1, 2)
         k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHTd, k_BHTd = apply_rotary(q_BHTd, cos_BTr, sin_BTr), apply_rotary(k_BHTd, cos_BTr, sin_BTr)
+        q_BHTd, k_BHTd = self.rotary(q_BHTd, cos_BTr, sin_BTr), self.rotary(k_BHTd, cos_BTr, sin_BTr)
         o_BHTd = F.scaled_dot_product_attention(
             q_BHTd, k_BHTd, v_BHTd, is_causal=True, scale=self.head_dim**-0.5,
             enable_gqa=self.num_kv_heads != self.num_heads,
@@ -97,14 +118,17 @@ class GatedAttention(nn.Module):
 class SwiGLU(nn.Module):
     """``down(silu(gate x) * up x)``: the shared expert."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"act_fn": "swiglu"}
+
     def __init__(self, dim: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, intermediate, bias=False)
         self.up_proj = nn.Linear(dim, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, dim, bias=False)
+        self.act_fn = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

@@ -43,7 +43,7 @@ class EagerDispatcher:
 
         x_RD = all_to_all_single_autograd(x_ND[token_M], recv_splits, send_splits, self.group)
         local_expert_R = torch.repeat_interleave(torch.arange(L, device=x_ND.device).repeat(P),
-                                                 recv_counts_PL.flatten())
+                                                 recv_counts_PL.flatten(), output_size=sum(recv_splits))
         by_expert_R = torch.argsort(local_expert_R, stable=True)
         y_RD = _local_compute(experts, x_RD[by_expert_R], recv_counts_PL.sum(0))
         y_RD = torch.empty_like(y_RD).index_copy(0, by_expert_R, y_RD)  # back to arrival order

@@ -18,6 +18,7 @@ fi
 
 echo "job $SLURM_JOB_ID (start $((${SLURM_RESTART_COUNT:-0} + 1))) on $SLURM_JOB_NODELIST: run directory $run_dir"
 requeue=0
+# shellcheck disable=SC2317  # run by the trap below
 on_time_limit() {
   echo "time limit in ~120 s: trainers checkpoint and stop, then job $SLURM_JOB_ID is requeued"
   requeue=1

@@ -40,10 +40,12 @@ MASTER_PORT=${MASTER_PORT:-29500}
 # torchrun gives workers this long to write their checkpoint after SIGTERM before it kills them (default 30 s).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}
 
+read -ra launcher <<<"${TORCHRUN:-torchrun}"  # may be several words: TORCHRUN="python -m torch.distributed.run"
+
 node_cmd() {  # node_cmd RANK OVERRIDES...: the command array of node RANK, in $cmd
   local rank=$1
   shift
-  cmd=(${TORCHRUN:-torchrun} --nnodes "$NNODES" --node_rank "$rank" --nproc_per_node "$NPROC_PER_NODE"
+  cmd=("${launcher[@]}" --nnodes "$NNODES" --node_rank "$rank" --nproc_per_node "$NPROC_PER_NODE"
        --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" train.py "$@")
 }
 

@@ -59,8 +59,9 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 # Seconds between SIGTERM and SIGKILL when a job is cancelled or requeued: time to write a checkpoint.
 KillWait=60
-# Let a job requeued by scontrol start again at once (the default waits before it is eligible).
-SchedulerParameters=bf_interval=1
+# Finished jobs stay visible to scontrol for 5 s (there is no accounting); and sbatch --wait polls
+# every 2 s instead of backing off to 32 s (it sleeps at most MinJobAge/2).
+MinJobAge=5
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN
 PartitionName=local Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 CONF
@@ -78,7 +79,8 @@ stop_daemon() {  # stop_daemon NAME PIDFILE: SIGTERM, then wait up to 10 s for i
   local pid
   [[ -f $2 ]] || return 0
   pid=$(cat "$2")
-  if kill "$pid" 2>/dev/null; then
+  # A pid file left by a killed daemon may name a recycled pid: signal it only if it is still that daemon.
+  if [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$1" ]] && kill "$pid" 2>/dev/null; then
     for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     kill -0 "$pid" 2>/dev/null && { echo "$1 ($pid) ignored SIGTERM; killing" >&2; kill -9 "$pid" || true; }
   fi
@@ -91,7 +93,9 @@ wait_idle() {  # until sinfo shows the node idle (up to 60 s)
     state=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
     [[ $state == idle ]] && return 0
     # A node left down or drained by an earlier run: tell slurmctld it is back.
-    [[ $state == down* || $state == drain* ]] && scontrol update nodename="$NODE" state=resume 2>/dev/null || true
+    if [[ $state == down* || $state == drain* ]]; then
+      scontrol update nodename="$NODE" state=resume 2>/dev/null || true
+    fi
     sleep 0.5
   done
   die "node $NODE not idle after 60 s (state: '${state:-none}'); see $DIR/slurmctld.log and $DIR/slurmd.log"
@@ -104,8 +108,14 @@ start() {
   chmod 700 "$DIR"
   write_conf
   start_munge
-  slurmctld -f "$CONF"  # -i: ignore state left by an earlier cluster (jobs, node state)
+  # State in $DIR/state survives a restart, so job ids keep counting up: a new job never lands in the run
+  # directory (runs/<job id>) of an old one.
+  slurmctld -f "$CONF"
   slurmd -f "$CONF"
+  # Jobs left by an earlier cluster (killed mid-run, requeued on restart) would hold the node: cancel them.
+  local stale
+  mapfile -t stale < <(squeue -h -o %A 2>/dev/null || true)
+  ((${#stale[@]} == 0)) || scancel "${stale[@]}"
   wait_idle
   echo "local Slurm cluster up (node $NODE); clients need: export SLURM_CONF=$CONF"
 }

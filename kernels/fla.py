@@ -1,0 +1,50 @@
+"""The flash-linear-attention (FLA) plugin: FLA's Triton gated delta rule kernels, imported only when chosen.
+
+FLA's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` take the same arguments as the torch
+references in ``models/qwen3_5_moe/delta_rule.py``, so they drop into ``GatedDeltaNet``'s kernel slots as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable
+
+PIP_HINT = "pip install '.[gpu]'"
+# FLA #640: these Triton versions miscompile the gated chunk_bwd_dqkwg kernel on Hopper (sm_90) GPUs, so the
+# chunked delta rule's backward is wrong there (FLA >= 0.6 raises instead; older FLA returned wrong gradients).
+_BAD_TRITON = ((3, 4, 0), (3, 7, 1))  # [first bad, first fixed)
+
+
+def missing_error() -> ImportError:
+    return ImportError(f"kernel_config.name includes flash-linear-attention, but the package is not installed: "
+                       f"{PIP_HINT} (or drop flash-linear-attention from kernel_config.name)")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def chunk_backward_broken(triton_version: str | None, capability: tuple[int, int] | None) -> str | None:
+    """Why FLA's chunked delta rule must not run with this Triton on this GPU (None: it may)."""
+    if triton_version is None or capability is None or capability[0] != 9:
+        return None
+    first_bad, first_fixed = _BAD_TRITON
+    if not first_bad <= _version_tuple(triton_version) < first_fixed:
+        return None
+    return (f"triton {triton_version} on a Hopper GPU (sm_{capability[0]}{capability[1]}) computes FLA's gated "
+            "chunk backward (chunk_bwd_dqkwg) wrongly (FLA #640: triton >= 3.4.0 and < 3.7.1); "
+            "upgrade triton to >= 3.7.1 to use the FLA kernel")
+
+
+def chunk_gated_delta_rule(chunk_size: int) -> Callable:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    return functools.partial(fla_chunk, chunk_size=chunk_size)
+
+
+def fused_recurrent_gated_delta_rule() -> Callable:
+    """Forward only: FLA's recurrent kernel has no backward (the model uses it only without autograd)."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+
+    return fla_recurrent

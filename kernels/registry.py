@@ -1,0 +1,210 @@
+"""Device kernel registry: for each op the models call through a kernel slot (see ``models/layers.py``), the
+implementations per device type, each with an availability check, and the torch reference as the fallback.
+
+``select_kernels(cfg, device_type)`` chooses one implementation per op and records why;
+``apply_kernels(model, kernels)`` installs the choices into every module's kernel slots. The expert GEMMs are not
+ops here: the EP dispatcher decides how experts run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn as nn
+
+from kernels import fla
+from kernels.config import AUTO, FLA, KernelConfig, plugin_names
+from models.layers import apply_rotary, rms_norm, swiglu
+from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from models.qwen3_5_moe.layers import gated_rms_norm, offset_rms_norm
+from training import device
+
+DEVICE_TYPES = ("cpu", "cuda", "npu")
+
+
+@dataclass(frozen=True)
+class Env:
+    """What the choice depends on besides the config; ``detect`` reads this machine, tests pass their own."""
+
+    device_type: str
+    triton_version: str | None = None  # None: triton is not installed
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+    fla_version: str | None = None  # None: flash-linear-attention is not installed
+    has_torch_npu: bool = False
+
+    @classmethod
+    def detect(cls, device_type: str) -> Env:
+        triton_version = None
+        if importlib.util.find_spec("triton") is not None:
+            import triton  # the module's version: the distribution may be triton or pytorch-triton
+
+            triton_version = triton.__version__
+        capability = tuple(device.module("cuda").get_device_capability()) if device_type == "cuda" else None
+        return cls(device_type, triton_version, capability, _dist_version("flash-linear-attention", "fla-core"),
+                   importlib.util.find_spec("torch_npu") is not None)
+
+    def describe(self) -> str:
+        sm = f" (sm_{self.capability[0]}{self.capability[1]})" if self.capability else ""
+        return (f"{self.device_type}{sm}, triton {self.triton_version or 'absent'}, flash-linear-attention "
+                f"{self.fla_version or 'absent'}, torch_npu {'present' if self.has_torch_npu else 'absent'}")
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str  # as logged: torch, triton, torch_npu, flash-linear-attention
+    device_types: tuple[str, ...]
+    build: Callable[[KernelConfig], Callable]  # imports lazily: a device package is loaded only when chosen
+    # Why it cannot run in this environment, or None; raises if an explicitly requested package is missing.
+    unavailable: Callable[[Env], str | None] = lambda env: None
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    plugin: str  # the kernel_config.name entry that asks for this op's kernels
+    reference: Callable[[KernelConfig], Callable]  # the torch reference: what the model runs by default
+    kernels: tuple[Impl, ...]  # in order of preference
+
+
+def _lazy(module: str, attr: str) -> Callable[[KernelConfig], Callable]:
+    return lambda cfg: getattr(importlib.import_module(module), attr)
+
+
+def _needs_triton(env: Env) -> str | None:
+    return None if env.triton_version else "triton is not installed"
+
+
+def _needs_torch_npu(env: Env) -> str | None:
+    return None if env.has_torch_npu else "torch_npu is not installed (pip install '.[npu]')"
+
+
+def _needs_fla(env: Env) -> str | None:
+    if env.fla_version is None:
+        raise fla.missing_error()
+    return None
+
+
+def _fla_chunk_unavailable(env: Env) -> str | None:
+    return _needs_fla(env) or (fla.chunk_backward_broken(env.triton_version, env.capability)
+                               if env.device_type == "cuda" else None)
+
+
+_TRITON_MODULES = {"rms_norm": "kernels.triton_norm", "offset_rms_norm": "kernels.triton_norm",
+                   "gated_rms_norm": "kernels.triton_norm", "swiglu": "kernels.triton_swiglu"}
+
+
+def _auto(op: str, reference: Callable) -> OpSpec:
+    """An op with a fused Triton kernel on CUDA and a torch_npu op on NPU."""
+    return OpSpec(AUTO, lambda cfg: reference, (
+        Impl("triton", ("cuda",), _lazy(_TRITON_MODULES[op], op), _needs_triton),
+        Impl("torch_npu", ("npu",), _lazy("kernels.npu", op), _needs_torch_npu),
+    ))
+
+
+# FLA's Triton kernels run on CUDA and, through its triton-ascend backends, on NPU.
+_FLA_DEVICES = ("cuda", "npu")
+
+OPS: dict[str, OpSpec] = {
+    "rms_norm": _auto("rms_norm", rms_norm),
+    "offset_rms_norm": _auto("offset_rms_norm", offset_rms_norm),
+    "gated_rms_norm": _auto("gated_rms_norm", gated_rms_norm),
+    "swiglu": _auto("swiglu", swiglu),
+    "apply_rotary": OpSpec(AUTO, lambda cfg: apply_rotary, (
+        Impl("torch_npu", ("npu",), _lazy("kernels.npu", "apply_rotary"), _needs_torch_npu),)),
+    "chunk_gated_delta_rule": OpSpec(
+        FLA, lambda cfg: functools.partial(chunk_gated_delta_rule, chunk_size=cfg.chunk_size),
+        (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.chunk_gated_delta_rule(cfg.chunk_size), _fla_chunk_unavailable),)),
+    "fused_recurrent_gated_delta_rule": OpSpec(
+        FLA, lambda cfg: recurrent_gated_delta_rule,
+        (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    op: str
+    impl: str  # Impl.name, or "torch" for the reference
+    reason: str
+    fallback: bool  # an explicitly requested kernel replaced by the torch reference
+    build: Callable[[], Callable]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The chosen implementation of every op, and why; ``lines()`` is what train.py logs."""
+
+    env: Env
+    choices: dict[str, Choice]
+
+    def get(self, op: str) -> Callable:
+        return self.choices[op].build()
+
+    def lines(self) -> list[str]:
+        return [f"{c.op}: {c.impl}{' (fallback)' if c.fallback else ''}: {c.reason}" for c in self.choices.values()]
+
+    def log(self, logger: logging.Logger) -> None:
+        logger.info("kernels for %s", self.env.describe())
+        for choice, line in zip(self.choices.values(), self.lines()):
+            logger.log(logging.WARNING if choice.fallback else logging.INFO, "kernel %s", line)
+
+
+def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
+    def reference(reason: str, fallback: bool = False) -> Choice:
+        return Choice(op, "torch", reason, fallback, lambda: spec.reference(cfg))
+
+    if spec.plugin not in plugin_names(cfg):
+        return reference(f"kernel_config.name does not include {spec.plugin}")
+    if spec.plugin == FLA and op not in cfg.include_kernels:
+        return reference("not in kernel_config.include_kernels")
+    skipped = []
+    for impl in spec.kernels:
+        if env.device_type not in impl.device_types:
+            continue
+        why_not = impl.unavailable(env)
+        if why_not is None:
+            return Choice(op, impl.name, f"on {env.device_type}", False, lambda impl=impl: impl.build(cfg))
+        skipped.append(f"{impl.name}: {why_not}")
+    # auto means "the best available", so the reference is a fine answer there; an explicit request falls back.
+    fallback = spec.plugin != AUTO
+    if skipped:
+        return reference("; ".join(skipped), fallback)
+    devices = sorted({d for impl in spec.kernels for d in impl.device_types})
+    return reference(f"{spec.plugin} has kernels for {', '.join(devices)} only", fallback)
+
+
+def select_kernels(cfg: KernelConfig, device_type: str, env: Env | None = None) -> Kernels:
+    """One implementation per op for ``device_type`` (cpu, cuda or npu). Raises ``ImportError`` naming the pip
+    extra when a requested plugin's package is missing on a device it supports."""
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device type {device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
+    env = env or Env.detect(device_type)
+    if env.device_type != device_type:
+        raise ValueError(f"env is for {env.device_type}, not {device_type}")
+    return Kernels(env, {op: _choose(op, spec, cfg, env) for op, spec in OPS.items()})
+
+
+def apply_kernels(model: nn.Module, kernels: Kernels) -> dict[str, int]:
+    """Set every kernel slot in ``model`` to the chosen implementation; returns how many slots each op filled."""
+    built: dict[str, Callable] = {}
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        for attr, op in getattr(module, "kernel_slots", {}).items():
+            if op not in built:
+                built[op] = kernels.get(op)
+            setattr(module, attr, built[op])
+            counts[op] = counts.get(op, 0) + 1
+    return counts

@@ -1,0 +1,207 @@
+"""Check every selected device kernel against its torch reference on real model shapes, forward and backward.
+
+    python scripts/check_kernels.py [--kernels auto,flash-linear-attention] [--chunk-size 64] [--device auto]
+
+Shapes: Qwen3.5-35B-A3B (hidden 2048, DeltaNet 16 k-heads x 128 and 32 v-heads x 128, attention heads of 256 with
+64 rotary channels, shared expert 512) and Qwen3-30B-A3B (heads of 128), 4 x 4096 tokens (2 x 4096 for the
+delta rule), bf16 activations and weights as under FSDP mixed precision.
+
+Error: ``|out - ref| / |ref|`` (norm-wise) of every output and input gradient, where ``ref`` is the torch
+reference run in fp32 on the same inputs; the torch reference's own bf16 error is printed beside it as the
+yardstick. A kernel fails when its error exceeds the case's tolerance (stated with each case). Timings: device
+events around 20 back-to-back runs after 3 warm-ups, forward and forward + backward, kernel vs the torch
+reference in bf16. Exits 1 on any failure; on a CPU-only machine there is nothing to check (the references are
+what runs there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.config import FLA_OPS, KernelConfig, validate_kernel_config  # noqa: E402
+from kernels.registry import OPS, select_kernels  # noqa: E402
+from training import device  # noqa: E402
+
+Inputs = dict[str, torch.Tensor]
+# Elementwise ops and norms round once more than the fp32 reference, ~2^-9 relative per element (bf16):
+# a norm-wise error of ~3e-3; 1e-2 leaves room without letting a wrong formula through (those are O(1)).
+TOL_ELEMENTWISE = 1e-2
+# The chunked delta rule runs bf16 tile products (fp32 accumulation) through a 4096-step recurrence; FLA's forward
+# measured 3.8e-3 on an H200 (the torch reference in bf16, i.e. its output rounding, ~1.7e-3): 2e-2 leaves room
+# for the backward's longer chains.
+TOL_DELTA_RULE = 2e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    make: Callable[[torch.Generator, torch.device], Inputs]  # the tensors (gradients are checked for all of them)
+    call: Callable[[Callable, Inputs], torch.Tensor]  # how the model calls the op; returns the output checked
+    tol: float
+    backward: bool = True
+
+
+def _randn(gen: torch.Generator, dev: torch.device, *shape: int, scale: float = 1.0, shift: float = 0.0,
+           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, device=dev) * scale + shift).to(dtype)
+
+
+def _norm_case(name: str, shape: tuple[int, ...], w_shift: float, gated: bool = False) -> Case:
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        inputs = {"x": _randn(gen, dev, *shape), "weight": _randn(gen, dev, shape[-1], scale=0.1, shift=w_shift)}
+        if gated:
+            inputs["z"] = _randn(gen, dev, *shape)
+        return inputs
+
+    call = ((lambda fn, t: fn(t["x"], t["z"], t["weight"], 1e-6)) if gated
+            else (lambda fn, t: fn(t["x"], t["weight"], 1e-6)))
+    return Case(name, make, call, TOL_ELEMENTWISE)
+
+
+def _rotary_case(name: str, B: int, H: int, T: int, head_dim: int, rotary_dim: int) -> Case:
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        angle_BTr = torch.rand(B, T, rotary_dim, generator=gen, device=dev) * 6.3
+        return {"x": _randn(gen, dev, B, H, T, head_dim), "cos": angle_BTr.cos().bfloat16(),
+                "sin": angle_BTr.sin().bfloat16()}
+
+    return Case(name, make, lambda fn, t: fn(t["x"], t["cos"], t["sin"]), TOL_ELEMENTWISE)
+
+
+def _delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int) -> Inputs:
+    h, H, K, V = 16, 32, 128, 128  # Qwen3.5-35B-A3B DeltaNet
+    a = torch.randn(B, T, H, generator=gen, device=dev)
+    return {"q": _randn(gen, dev, B, T, h, K), "k": _randn(gen, dev, B, T, h, K), "v": _randn(gen, dev, B, T, H, V),
+            # as the model: g = -exp(A_log) * softplus(a + dt_bias) in fp32, A = U(0.01, 16) per head
+            "g": -torch.empty(H, device=dev).uniform_(0.01, 16, generator=gen) * F.softplus(a + 1.0),
+            "beta": torch.rand(B, T, H, generator=gen, device=dev).bfloat16()}
+
+
+def _delta_call(fn: Callable, t: Inputs) -> torch.Tensor:
+    return fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], use_qk_l2norm_in_kernel=True)[0]
+
+
+CASES: dict[str, list[Case]] = {
+    "rms_norm": [_norm_case("qwen3 hidden 2048", (4 * 4096, 2048), 1.0),
+                 _norm_case("qwen3 q_norm 32 x 128", (4, 4096, 32, 128), 1.0)],
+    "offset_rms_norm": [_norm_case("qwen3.5 hidden 2048", (4 * 4096, 2048), 0.0),
+                        _norm_case("qwen3.5 q_norm 16 x 256", (4, 4096, 16, 256), 0.0)],
+    "gated_rms_norm": [_norm_case("qwen3.5 deltanet 32 x 128", (4, 4096, 32, 128), 1.0, gated=True)],
+    "swiglu": [Case("qwen3.5 shared expert 512",
+                    lambda gen, dev: {"gate": _randn(gen, dev, 4 * 4096, 512), "up": _randn(gen, dev, 4 * 4096, 512)},
+                    lambda fn, t: fn(t["gate"], t["up"]), TOL_ELEMENTWISE)],
+    "apply_rotary": [_rotary_case("qwen3.5 16 x 256, 64 rotary", 4, 16, 4096, 256, 64),
+                     _rotary_case("qwen3 32 x 128, full", 4, 32, 4096, 128, 128)],
+    "chunk_gated_delta_rule": [Case("qwen3.5 2 x 4096", lambda gen, dev: _delta_inputs(gen, dev, 2, 4096),
+                                    _delta_call, TOL_DELTA_RULE)],
+    # FLA's recurrent kernel has no backward; the model uses it only without autograd, on short sequences.
+    "fused_recurrent_gated_delta_rule": [Case("qwen3.5 8 x 64", lambda gen, dev: _delta_inputs(gen, dev, 8, 64),
+                                              _delta_call, TOL_DELTA_RULE, backward=False)],
+}
+
+
+def _run(fn: Callable, case: Case, inputs: Inputs, grad_out: torch.Tensor | None) -> list[torch.Tensor]:
+    """The output and (if ``grad_out``) every input's gradient, in fp32."""
+    leaves = {name: t.detach().clone().requires_grad_(grad_out is not None) for name, t in inputs.items()}
+    out = case.call(fn, leaves)
+    if grad_out is None:
+        return [out.detach().float()]
+    out.backward(grad_out.to(out.dtype))
+    return [out.detach().float(), *(leaf.grad.float() for leaf in leaves.values())]
+
+
+def _time_ms(dev_type: str, fn: Callable, case: Case, inputs: Inputs, grad_out: torch.Tensor | None) -> float:
+    """Mean time of one call (and backward, with ``grad_out``) over 20 back-to-back runs, as a training step issues
+    them: the host is not synchronised in between, so a kernel's launch overhead counts only where it exceeds the
+    device time."""
+    leaves = [t.detach().requires_grad_(grad_out is not None) for t in inputs.values()]
+    named = dict(zip(inputs, leaves))
+
+    def step() -> None:
+        out = case.call(fn, named)
+        if grad_out is not None:
+            torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+
+    mod = device.module(dev_type)
+    for _ in range(3):
+        step()
+    start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        step()
+    end.record()
+    mod.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_case(op: str, kernel: Callable, reference: Callable, case: Case, dev: torch.device) -> bool:
+    gen = torch.Generator(device=dev).manual_seed(0)
+    inputs = case.make(gen, dev)
+    probe = case.call(reference, inputs)
+    grad_out = torch.randn(probe.shape, generator=gen, device=dev) if case.backward else None
+    ref32 = _run(reference, case, {k: v.float() for k, v in inputs.items()}, grad_out)
+    ref16 = _run(reference, case, inputs, grad_out)
+    got = _run(kernel, case, inputs, grad_out)
+    names = ["out", *(f"d{name}" for name in inputs)] if case.backward else ["out"]
+    ok = True
+    for name, g, r16, r32 in zip(names, got, ref16, ref32):
+        err, err16 = _rel(g, r32), _rel(r16, r32)
+        max_abs = (g - r32).abs().max().item()
+        status = "ok" if err <= case.tol else "FAIL"
+        ok &= err <= case.tol
+        print(f"  {op:34s} {case.name:28s} {name:8s} rel {err:.2e} (torch bf16 {err16:.2e}, tol {case.tol:.0e}) "
+              f"max|diff| {max_abs:.2e}  {status}")
+
+    for mode, backward in [("fwd", False), ("fwd+bwd", True)] if case.backward else [("fwd", False)]:
+        g = grad_out if backward else None
+        print(f"  {op:34s} {case.name:28s} {mode:8s} kernel {_time_ms(dev.type, kernel, case, inputs, g):8.3f} ms   "
+              f"torch bf16 {_time_ms(dev.type, reference, case, inputs, g):8.3f} ms")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default="auto,flash-linear-attention", help="kernel_config.name")
+    parser.add_argument("--chunk-size", type=int, default=64, help="kernel_config.chunk_size")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
+    args = parser.parse_args(argv)
+    cfg = KernelConfig(name=args.kernels, include_kernels=list(FLA_OPS), chunk_size=args.chunk_size)
+    validate_kernel_config(cfg)
+    dev_type = device.device_type(args.device)
+    if dev_type == "cpu":
+        print("cpu: nothing to check (the torch references are the cpu kernels)")
+        return 0
+    dev = device.local_device(dev_type)
+    kernels = select_kernels(cfg, dev_type)
+    for line in kernels.lines():
+        print(f"kernel {line}")
+    failed = []
+    for op, choice in kernels.choices.items():
+        if choice.impl == "torch":
+            continue
+        reference = OPS[op].reference(cfg)
+        for case in CASES[op]:
+            if not check_case(op, kernels.get(op), reference, case, dev):
+                failed.append(f"{op} [{case.name}]")
+            device.module(dev_type).empty_cache()
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+        return 1
+    print("all selected kernels match their torch references")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The parallel config: presets compose and validate, the backend config is strict, and every bad topology
+fails before any process group with the key, the numbers and a fix."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from parallelisms import (BackendConfig, ParallelConfig, parse_parallel_config, resolve_sizes,
+                          validate_parallel_config)
+from tests.conftest import CONF_DIR, compose_config
+from training.config import register_schema
+
+PRESETS = sorted(p.stem for p in Path(CONF_DIR, "parallel").glob("*.yaml"))
+# The world size each preset is meant for; cp2_ep4_efsdp2 waits for context parallelism.
+WORLD = {"single": 1, "ep16": 16, "cp2_ep4_efsdp2": 16}
+
+
+def _cfg(**kwargs) -> ParallelConfig:
+    backend = {k: kwargs.pop(k) for k in list(kwargs) if k in BackendConfig.__dataclass_fields__}
+    return ParallelConfig(**kwargs, backend=BackendConfig(**backend))
+
+
+def test_every_preset_is_there_and_documented_in_one_line():
+    assert set(PRESETS) == {"single", "ddp", "fsdp2", "hsdp", "ep2", "ep4", "ep8", "ep16", "ep4_efsdp2", "ep2_edp2",
+                            "cp2_ep4_efsdp2"}
+    for preset in PRESETS:
+        lines = Path(CONF_DIR, "parallel", f"{preset}.yaml").read_text().splitlines()
+        assert lines[0].startswith("# ") and not lines[1].startswith("#"), preset
+        assert "  ep_dispatcher: ${dispatcher.name}" in lines, preset
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_composes_and_validates_at_its_world_size(preset):
+    cfg = compose_config([f"parallel={preset}"]).parallel
+    assert cfg.name == preset and cfg.backend.ep_dispatcher == "eager"  # ${dispatcher.name}, resolved
+    world = WORLD.get(preset, 8)
+    if preset.startswith("cp2"):
+        with pytest.raises(NotImplementedError, match=r"parallel.cp_size=2: context parallelism is not yet supported"):
+            validate_parallel_config(cfg, world, 128)
+        return
+    validate_parallel_config(cfg, world, 128)
+
+
+def test_exactly_the_parity_tested_presets_fit_8_ranks():
+    from tests.test_parallel_parity import FITTING_PRESETS
+
+    fitting = []
+    for preset in PRESETS:
+        try:
+            validate_parallel_config(compose_config([f"parallel={preset}"]).parallel, 8, 8)
+            fitting.append(preset)
+        except (ValueError, NotImplementedError):  # single (one process), ep16 (16 ranks), cp2_* (no CP yet)
+            pass
+    assert sorted(fitting) == sorted(FITTING_PRESETS)
+
+
+def test_expert_layout_of_the_presets_on_8_and_16_ranks():
+    shapes = {p: resolve_sizes(compose_config([f"parallel={p}"]).parallel, 8).expert_mesh_shape
+              for p in ("fsdp2", "ep2", "ep4", "ep8", "ep4_efsdp2", "ep2_edp2")}
+    assert shapes == {"fsdp2": (1, 8, 1, 1), "ep2": (1, 4, 2, 1), "ep4": (1, 2, 4, 1), "ep8": (1, 1, 8, 1),
+                      "ep4_efsdp2": (1, 2, 4, 1), "ep2_edp2": (2, 2, 2, 1)}
+    assert resolve_sizes(compose_config(["parallel=ep4_efsdp2"]).parallel, 16).expert_mesh_shape == (2, 2, 4, 1)
+    assert resolve_sizes(compose_config(["parallel=cp2_ep4_efsdp2"]).parallel, 16).expert_mesh_shape == (1, 2, 4, 2)
+
+
+def _compose_parallel_node(overrides: list[str]):
+    register_schema()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=overrides).parallel
+
+
+def test_backend_config_is_strict_about_unknown_keys():
+    # A topology key put inside the backend is an error, never silently ignored.
+    with pytest.raises(ConfigCompositionException, match="cp_size"):
+        compose_config(["parallel=ep2", "parallel.backend.cp_size=2"])
+    with pytest.raises(ConfigCompositionException, match="ep_sise"):
+        compose_config(["parallel=ep2", "parallel.backend.ep_sise=4"])
+    # Hydra's append bypasses the schema, and OmegaConf.to_object would drop the key: the strict parse rejects it.
+    node = _compose_parallel_node(["parallel=ep2", "+parallel.backend.cp_size=2"])
+    with pytest.raises(ValueError, match=r"parallel.backend has unknown keys \['cp_size'\]; known: \[.*'ep_size'"):
+        parse_parallel_config(node)
+    with pytest.raises(ValueError, match=r"parallel has unknown keys \['ep_size'\]"):
+        parse_parallel_config(_compose_parallel_node(["parallel=ep2", "+parallel.ep_size=2"]))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_strict_parse_of_a_preset_equals_the_schema_object(preset):
+    node = _compose_parallel_node([f"parallel={preset}"])
+    assert parse_parallel_config(node) == compose_config([f"parallel={preset}"]).parallel
+
+
+@pytest.mark.parametrize("kwargs, world, error, pattern", [
+    (dict(ep_size=3), 8, ValueError,
+     r"parallel.backend.ep_size=3 must divide dp=8 \(world 8 / cp 1\); fix: parallel.backend.ep_size one of \[1, 2, 4, 8\]"),
+    (dict(ep_size=16), 8, ValueError, r"parallel.backend.ep_size=16 must divide dp=8"),
+    (dict(ep_size=8), 8, ValueError, r"parallel.backend.ep_size=8 must divide model.arch.num_experts=4 .*one of \[1, 2, 4\]"),
+    (dict(ep_size=2, efsdp_size=3), 8, ValueError,
+     r"parallel.backend.efsdp_size=3 must divide dp/ep=4 \(dp 8 / ep 2\); fix: .* one of \[1, 2, 4\], or -1"),
+    (dict(ep_size=2, efsdp_size=0), 8, ValueError, r"parallel.backend.efsdp_size=0 must divide dp/ep=4"),
+    (dict(cp_size=2), 8, NotImplementedError, r"parallel.cp_size=2: context parallelism is not yet supported"),
+    (dict(cp_size=3), 8, ValueError, r"parallel.cp_size=3 must divide the world size 8"),
+    (dict(cp_mode="ring"), 8, ValueError, r"parallel.cp_mode='ring' must be one of ulysses"),
+    (dict(dp_size=4), 8, ValueError, r"parallel.dp_size=4 must equal world size 8 / parallel.cp_size 1 = 8"),
+    (dict(mp_replicate_size=3), 8, ValueError, r"parallel.mp_replicate_size=3 must divide the world size 8"),
+    (dict(mp_replicate_size=2, mp_shard_size=8), 8, ValueError, r"parallel.mp_shard_size=8 must equal .* = 4"),
+    (dict(name="megatron"), 8, ValueError, r"parallel.backend.name='megatron' is unknown; choose one of none, ddp"),
+    (dict(ep_dispatcher="fused"), 8, NotImplementedError, r"ep_dispatcher='fused' is planned"),
+    (dict(ep_dispatcher="deepep"), 8, ValueError, r"ep_dispatcher='deepep' is unknown; implemented: eager"),
+    (dict(activation_checkpoint="some"), 8, ValueError, r"parallel.activation_checkpoint='some' must be one of"),
+    (dict(dist_timeout=0), 8, ValueError, r"parallel.dist_timeout=0 must be a positive"),
+    (dict(), 1, ValueError, r"parallel.backend.name=fsdp2 needs more than one process \(WORLD_SIZE=1\)"),
+    (dict(name="none"), 4, ValueError, r"parallel.backend.name=none runs one process but WORLD_SIZE=4"),
+    (dict(name="ddp", ep_size=2), 8, ValueError, r"parallel.backend.ep_size=2: parallel.backend.name=ddp replicates"),
+    (dict(name="ddp", mp_replicate_size=2), 8, ValueError, r"parallel.mp_replicate_size=2: .*name=ddp"),
+])
+def test_bad_layouts_fail_naming_the_key_and_the_fix(kwargs, world, error, pattern):
+    num_experts = 4 if kwargs.get("ep_size") == 8 else 8
+    with pytest.raises(error, match=pattern):
+        validate_parallel_config(_cfg(**kwargs), world, num_experts)
+
+
+def test_derived_sizes_come_from_one_place():
+    cfg = _cfg(ep_size=4, efsdp_size=2, mp_replicate_size=2)
+    validate_parallel_config(cfg, 32, 128)
+    sizes = resolve_sizes(cfg, 32)
+    assert (sizes.dp, sizes.cp, sizes.ep, sizes.efsdp, sizes.edp) == (32, 1, 4, 2, 4)
+    assert (sizes.mp_replicate, sizes.mp_shard) == (2, 16)
+    assert resolve_sizes(replace(cfg, cp_size=2), 32).expert_mesh_shape == (2, 2, 4, 2)
