@@ -23,12 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 import parallelisms
+from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
 from training import device
 from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_model_weights,
                                  set_rng_state)
 from training.config import TrainConfig, register_schema, to_train_config, validate
-from training.data import build_data_loader
+from training.data import build_data_loader, context_shard
 from training.launch import needs_torchrun, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
 from training.metrics import MetricLogger, moe_metrics, progress_line, routing_summary
@@ -118,7 +119,8 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     model_args = resolve_model_args(cfg)
     spec = models.get_spec(cfg.model.model_type or args_from_hf_config(read_hf_config(cfg.model.init_from))[0])
-    parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts)
+    parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
+                                          arch=dataclasses.asdict(model_args), seq_len=cfg.data.seq_len)
 
     parallelisms.init_distributed(dev_type, cfg.parallel)
     dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
@@ -145,6 +147,10 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     else:
         model.init_weights()  # every parameter; the rotary tables are computed per call, so no buffers
     model.train()
+    kernels = select_kernels(cfg.kernel_config, dev_type)  # a missing requested package fails here, on every rank
+    apply_kernels(model, kernels)
+    if dims.rank == 0:
+        kernels.log(logger)
 
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(cfg.train.steps, 1))
@@ -181,8 +187,9 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
         step_start = time.perf_counter()
-        batches = [{k: v.to(dev, non_blocking=True) for k, v in next(loader).items()}
-                   for _ in range(cfg.train.grad_accum_steps)]
+        # The cp ranks of a dp slice read the same sequences; each keeps its 1/cp of every one.
+        shards = [context_shard(next(loader), dims.cp_rank, dims.cp) for _ in range(cfg.train.grad_accum_steps)]
+        batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
         lr = scheduler.get_last_lr()[0]
         result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args.num_experts,
                             model_args.router_aux_loss_coef, autocast, update=step > 0)
@@ -194,6 +201,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
             "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "grad_norm": result.grad_norm,
             "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens,
             "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
+            "tflops_per_device": per_device * flops_per_token / 1e12,
             "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
             "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
         }

@@ -6,6 +6,14 @@ Dh head dim, E experts, K top-k, I expert intermediate, N tokens (B*T), M routed
 Kernel slots: a module class may declare ``kernel_slots`` (attribute -> op name). It calls that op through the
 attribute, which holds the torch reference by default; ``kernels.registry.apply_kernels`` installs device kernels
 with the same signature from the outside, so the model never imports a device package.
+
+Sequence ops: the few ops that mix tokens across the sequence (attention's core, DeltaNet's conv and delta rule, and
+finding documents from position ids) are methods a module declares in ``sequence_ops`` (method -> kind).
+``parallelisms/context_parallel.py`` wraps them on the instance for context parallelism (a head shard of the whole
+sequence inside, the local tokens outside); everything else in the model is token-wise and never knows.
+
+Packed documents: position ids restart at each document (``document_ids``); attention then stays within documents
+and DeltaNet restarts its state and conv window, as if every document were its own row.
 """
 
 from __future__ import annotations
@@ -73,3 +81,41 @@ def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Ten
     x_rot, x_pass = x_BHTD[..., :rot], x_BHTD[..., rot:]
     x_rot = x_rot * cos + rotate_half(x_rot) * sin
     return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
+
+
+def document_ids(position_ids_BT: torch.Tensor) -> torch.Tensor | None:
+    """Index of each token's document within its row (0, 1, ...) for packed rows, or None if every row is one
+    document. A document starts wherever a position id is not its predecessor's + 1, as transformers detects packed
+    sequences. Multimodal [3, B, T] position ids are taken as one document per row."""
+    if position_ids_BT.dim() != 2:
+        return None
+    starts_BT = position_ids_BT.diff(dim=1, prepend=position_ids_BT[:, :1] - 1) != 1
+    doc_ids_BT = starts_BT.cumsum(dim=1)
+    # One host sync per forward (as transformers' check): unpacked rows keep the plain causal kernels.
+    return doc_ids_BT if bool(doc_ids_BT[:, -1].any()) else None
+
+
+def document_cu_seqlens(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Start offsets of every document in the flattened [B*T] tokens, then B*T: FLA's (and flash-attention's varlen)
+    ``cu_seqlens``. Every row starts a document too."""
+    starts_BT = F.pad(doc_ids_BT.diff(dim=1) != 0, (1, 0), value=True)
+    starts_N = starts_BT.flatten().nonzero().squeeze(1)
+    return torch.cat([starts_N, starts_N.new_tensor([doc_ids_BT.numel()])])
+
+
+def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTd: torch.Tensor,
+                     doc_ids_BT: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal SDPA on the heads given (h key/value heads shared by H query heads), within documents if
+    ``doc_ids_BT`` is given (see ``document_ids``)."""
+    num_heads, num_kv_heads = q_BHTd.shape[1], k_BhTd.shape[1]
+    if doc_ids_BT is None:
+        return F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTd, is_causal=True, scale=scale,
+                                              enable_gqa=num_kv_heads != num_heads)
+    T = q_BHTd.shape[2]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
+    mask_B1TT = ((doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & causal_TT)[:, None]
+    # Repeat the kv heads: the CUDA kernels that take a mask do not take GQA (transformers does the same).
+    # TODO: flex_attention with a document BlockMask (or varlen flash attention) would skip the masked blocks and
+    # the T x T mask on accelerators.
+    k_BHTd, v_BHTd = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k_BhTd, v_BhTd))
+    return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=mask_B1TT, scale=scale)

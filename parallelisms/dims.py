@@ -74,6 +74,11 @@ class ParallelDims(ParallelSizes):
         return self.rank // self.cp
 
     @property
+    def cp_rank(self) -> int:
+        """Which contiguous 1/cp of each sequence this rank holds (cp is innermost)."""
+        return self.rank % self.cp
+
+    @property
     def data_group(self) -> dist.ProcessGroup | None:
         """Ranks whose loss shares add up to the global loss (all dp x cp ranks); None for one process."""
         return self.mesh("world").get_group() if self.meshes else None

@@ -2,7 +2,7 @@
 
 fsdp2, inside-out as fully_shard requires: EP -> expert FSDP -> block FSDP -> root -> prefetch chains.
 ddp: one replica per rank, gradients all-reduced. none: the model as it is. Activation checkpointing
-applies to all three.
+and (cp > 1) Ulysses context parallelism apply to all three.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from models import ModelSpec
 from models.moe import GroupedExperts
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.config import BackendConfig, ParallelConfig
+from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.dims import ParallelDims
 from parallelisms.expert_parallel import apply_expert_parallel
 from training.device import local_device
@@ -30,6 +31,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
                       param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> nn.Module:
     """Shard or replicate ``model`` (usually still on the meta device) in place and return it."""
     apply_activation_checkpointing(model.get_submodule(spec.blocks), cfg.activation_checkpoint)
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.mesh("cp"))
     if cfg.backend.name == "none":
         return model
     if cfg.backend.name == "ddp":

@@ -1,10 +1,14 @@
-"""Every check of the parallel config that needs no process group: pure arithmetic on the world size.
+"""Every check of the parallel config that needs no process group: arithmetic on the world size, the model's head
+counts and the sequence length.
 
 Errors name the dotted key, the numbers and a fix. Features that are designed but not built yet raise
 NotImplementedError saying so, never a silent fallback.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from parallelisms.config import ACTIVATION_CHECKPOINT_MODES, BACKENDS, CP_MODES, ParallelConfig
 from parallelisms.dispatchers import dispatcher_class
@@ -19,7 +23,38 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: int) -> None:
+# Ulysses splits the first heads of each pair over the cp ranks; the second (shared by them) too, or, when fewer
+# than cp, repeats them: attention's query and key/value heads, DeltaNet's value and query/key heads (model.arch).
+_CP_HEADS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads"))
+
+
+def _cp_fits(cp: int, arch: Mapping[str, Any], seq_len: int) -> bool:
+    pairs = [(arch[split], arch[shared]) for split, shared in _CP_HEADS if split in arch]
+    return seq_len % cp == 0 and all(n % cp == 0 and (m % cp == 0 or cp % m == 0) for n, m in pairs)
+
+
+def _check_context_parallel(cp: int, world_size: int, arch: Mapping[str, Any] | None, seq_len: int | None) -> None:
+    _check(arch is not None and seq_len is not None,
+           f"parallel.cp_size={cp}: checking context parallelism needs the model's head counts and data.seq_len "
+           "(validate_parallel_config(..., arch=..., seq_len=...))")
+    fix = f"fix: parallel.cp_size one of {[d for d in _divisors(world_size) if _cp_fits(d, arch, seq_len)]}"
+    _check(seq_len % cp == 0, f"data.seq_len={seq_len} must be divisible by parallel.cp_size={cp} (each cp rank "
+                              f"holds seq_len / cp tokens); {fix}, or data.seq_len a multiple of {cp}")
+    for split, shared in _CP_HEADS:
+        if split not in arch:
+            continue
+        n, m = arch[split], arch[shared]
+        _check(n % cp == 0, f"model.arch.{split}={n} must be divisible by parallel.cp_size={cp} (Ulysses gives each "
+                            f"cp rank {n} / cp heads); {fix}")
+        _check(m % cp == 0 or cp % m == 0,
+               f"model.arch.{shared}={m} and parallel.cp_size={cp}: one must divide the other (each cp rank takes "
+               f"{shared} / cp heads, or one head repeated); {fix}")
+
+
+def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: int,
+                             arch: Mapping[str, Any] | None = None, seq_len: int | None = None) -> None:
+    """``arch``: the model's hyper-parameters (its head counts) and ``seq_len``: data.seq_len; needed when
+    parallel.cp_size > 1."""
     b = cfg.backend
     _check(b.name in BACKENDS, f"parallel.backend.name={b.name!r} is unknown; choose one of {', '.join(BACKENDS)}")
     dispatcher_class(b.ep_dispatcher)  # unknown or not-yet-implemented names fail here, before any group
@@ -34,8 +69,7 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: 
     _check(cp >= 1 and world_size % cp == 0,
            f"parallel.cp_size={cp} must divide the world size {world_size}; fix: one of {_divisors(world_size)}")
     if cp > 1:
-        raise NotImplementedError(f"parallel.cp_size={cp}: context parallelism is not yet supported (it arrives "
-                                  "with its own issue); fix: parallel.cp_size=1")
+        _check_context_parallel(cp, world_size, arch, seq_len)
     dp = world_size // cp
     _check(cfg.dp_size in (-1, dp), f"parallel.dp_size={cfg.dp_size} must equal world size {world_size} / "
                                     f"parallel.cp_size {cp} = {dp}; fix: parallel.dp_size=-1 (derived)")

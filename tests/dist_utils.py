@@ -60,7 +60,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
                 for process in context.processes:
                     process.kill()
                 raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout_s:.0f} s")
-        return torch.load(result_path, weights_only=False)
+        return torch.load(result_path, weights_only=True)
 
 
 # ----------------------------------------------------------------------------- the debug model and its loop

@@ -1,7 +1,8 @@
 """The Slurm scripts (scripts/slurm/): the commands a dry run prints for one node and for a faked 2-node
 allocation, and real jobs on a one-node local cluster (scripts/slurm/local_cluster.sh): a training job
-submitted through train_1node.sbatch as a user would, and a job requeued twice (by `scontrol requeue`, and
-by its own time-limit handler) that resumes from its checkpoints and ends on the uninterrupted run's curve.
+submitted through train_1node.sbatch as a user would; a job requeued by `scontrol requeue` (as preemption
+does) that resumes from its checkpoint onto the uninterrupted run's curve; and a 2-rank job that meets its
+time-limit warning, checkpoints, requeues itself and resumes.
 
 Needs Slurm installed (CI installs it and starts the cluster; see scripts/slurm/local_cluster.sh); the
 cluster fixture starts the cluster itself when it is not running and this is root.
@@ -215,11 +216,13 @@ class Job:
             time.sleep(0.1)
 
     def release_when_requeued(self, restarts: int) -> None:
-        """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime): let it start again in 2 s. Not at
-        once: slurmd refuses a credential issued in the second it revoked the job's previous one."""
+        """Slurm holds a requeued job for about 2 minutes (Reason=BeginTime): let it start now. Not in the
+        second it was requeued: slurmd refuses a credential issued in the second it revoked the previous one."""
         self.wait_for(lambda: self.info()["JobState"] == "PENDING" and self.info()["Restarts"] == str(restarts),
                       f"requeue number {restarts}")
-        slurm(self.env, "scontrol", "update", f"jobid={self.id}", "starttime=now+2")
+        time.sleep(1.5)
+        # An update schedules at once (a begin time in the future would wait for the next scheduling pass).
+        slurm(self.env, "scontrol", "update", f"jobid={self.id}", "starttime=now")
 
     def cancel(self) -> None:
         subprocess.run(["scancel", self.id], env=self.env, timeout=60)
@@ -255,30 +258,31 @@ def complete_checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*/train_state.json"))
 
 
-def test_requeued_job_resumes_from_its_checkpoints_onto_the_uninterrupted_curve(cluster, job_dir, train_args,
-                                                                                  reference_job):
-    job = Job(cluster, job_dir, train_args)
+def interrupt_once_and_finish(job: Job, how: str) -> None:
+    """After the job's first checkpoint, interrupt it (``requeue``: `scontrol requeue`, as preemption does;
+    ``time-limit``: the batch shell's --signal=B:USR1@120 warning, sent now), let it start again, and wait
+    for it to complete."""
     try:
-        # Preemption-like: scontrol requeue SIGTERMs the trainer, which saves and exits; the job runs again.
         job.wait_for(lambda: bool(complete_checkpoint_steps(job.run_dir)), "a first checkpoint")
-        slurm(job.env, "scontrol", "requeue", job.id)
+        if how == "requeue":  # Slurm SIGTERMs every process of the job; the trainers save and exit
+            slurm(job.env, "scontrol", "requeue", job.id)
+        else:  # batch.sh SIGTERMs the job step, waits for the trainers to save, and requeues the job
+            slurm(job.env, "scancel", "--batch", "--signal=USR1", job.id)
         job.release_when_requeued(restarts=1)
-        job.wait_for(lambda: len(resumed_steps(job.log())) == 1
-                     and complete_checkpoint_steps(job.run_dir)[-1] > resumed_steps(job.log())[0],
-                     "a checkpoint after the first resume")
-        # The time-limit warning (--signal=B:USR1@120) sent now: batch.sh stops the trainer and requeues.
-        slurm(job.env, "scancel", "--batch", "--signal=USR1", job.id)
-        job.release_when_requeued(restarts=2)
         job.wait_for(lambda: job.info()["JobState"] == "COMPLETED", "completion")
     finally:
         job.cancel()
+    assert (job.info()["Restarts"], job.info()["ExitCode"]) == ("1", "0:0")
 
-    log, info = job.log(), job.info()
-    assert (info["Restarts"], info["ExitCode"]) == ("2", "0:0")
-    assert "time limit in ~120 s" in log and f"job {job.id} (start 3)" in log
-    first, second = resumed_steps(log)
-    assert 2 <= first < second < STEPS, log
-    # Each start continues at the step after its checkpoint, so the metrics hold every step exactly once...
+
+def test_requeued_job_resumes_from_its_checkpoint_onto_the_uninterrupted_curve(cluster, job_dir, train_args,
+                                                                               reference_job):
+    job = Job(cluster, job_dir, train_args)
+    interrupt_once_and_finish(job, "requeue")
+    log = job.log()
+    [resumed] = resumed_steps(log)
+    assert 2 <= resumed < STEPS and f"job {job.id} (start 2)" in log
+    # The second start continues at the step after its checkpoint, so the metrics hold every step once...
     metrics = job.metrics()
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     # ...and the model, optimizer, schedule, data position and RNG came back exactly: the losses are the
@@ -288,20 +292,13 @@ def test_requeued_job_resumes_from_its_checkpoints_onto_the_uninterrupted_curve(
         assert [m[key] for m in metrics] == pytest.approx([m[key] for m in reference], rel=1e-6), key
 
 
-def test_two_rank_job_on_one_node_stops_together_and_resumes(cluster, job_dir, train_args):
+def test_two_rank_job_at_its_time_limit_checkpoints_requeues_itself_and_resumes(cluster, job_dir, train_args):
     # NPROC_PER_NODE at submission: 2 gloo ranks under one torchrun, experts split over them (parallel=ep2).
-    # Both ranks get SIGTERM (from Slurm and again from torchrun); they must stop at one step and save together.
+    # Both ranks get SIGTERM (from scancel and again from torchrun); they must stop at one step and save together.
     job = Job({**cluster, "NPROC_PER_NODE": "2"}, job_dir, [*train_args, "parallel=ep2"])
-    try:
-        job.wait_for(lambda: bool(complete_checkpoint_steps(job.run_dir)), "a first checkpoint")
-        slurm(job.env, "scontrol", "requeue", job.id)
-        job.release_when_requeued(restarts=1)
-        job.wait_for(lambda: job.info()["JobState"] == "COMPLETED", "completion")
-    finally:
-        job.cancel()
+    interrupt_once_and_finish(job, "time-limit")
     log = job.log()
-    assert "--nproc_per_node 2" in log
+    assert "--nproc_per_node 2" in log and "time limit in ~120 s" in log and f"job {job.id} (start 2)" in log
     [resumed] = resumed_steps(log)
     assert 2 <= resumed < STEPS
     assert [m["step"] for m in job.metrics()] == list(range(1, STEPS + 1))
-    assert job.info()["ExitCode"] == "0:0"

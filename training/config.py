@@ -12,6 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from kernels.config import KernelConfig, validate_kernel_config
 from parallelisms.config import ParallelConfig
 from training.checkpoint import CheckpointConfig
 from training.data import DataConfig, validate_data_config
@@ -72,6 +73,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
@@ -130,3 +132,4 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.model_type is not None or m.init_from is not None,
            "model.model_type is unset: pick a preset (model=qwen3_moe_debug) or give model.init_from=<hf dir>")
     validate_data_config(cfg.data)
+    validate_kernel_config(cfg.kernel_config)

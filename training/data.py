@@ -6,6 +6,10 @@ dropped). Window order is a per-epoch permutation fixed by the seed. Global micr
 [k*G, (k+1)*G) of that order, with G = local_batch_size * dp_size, and dp rank r takes the contiguous
 rows [r*local_batch_size, (r+1)*local_batch_size), so batches do not depend on the parallel layout.
 
+Packed documents (``data.document_mask``): position ids restart at each document start (after <|endoftext|>), which
+tells the model to keep attention and DeltaNet within documents (``models.layers.document_ids``). Under context
+parallelism the cp ranks of a dp slice read the same rows, each keeping its contiguous 1/cp (``context_shard``).
+
 Shape letters: B local batch, T seq_len, T1 seq_len + 1.
 """
 
@@ -42,6 +46,10 @@ class DataConfig:
     tokenizer: str = "qwen3"  # qwen3 | qwen3_5 (ignored for tokens)
     mask_non_assistant: bool = False  # chat data: loss only on assistant tokens
     cache_dir: str = ".cache/data"  # tokenized-corpus cache
+    # Position ids restart at every document, so no token attends to (or DeltaNet carries state from) another
+    # document of its packed window; false: each window is one causal sequence.
+    document_mask: bool = True
+    eos_id: int | None = None  # tokens: the id ending each document (None: none known); other data: <|endoftext|>
 
 
 def _source_path(cfg: DataConfig) -> Path:
@@ -65,6 +73,9 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.path is required for data.name={cfg.name}; set data.path=/path/to/file")
     if cfg.name == "tokens" and Path(cfg.path).suffix not in (".npy", ".bin"):
         raise ValueError(f"data.path={cfg.path!r} must be a .npy array or a raw uint32 .bin file for data.name=tokens")
+    if cfg.eos_id is not None and (cfg.name != "tokens" or cfg.eos_id < 0):
+        raise ValueError(f"data.eos_id={cfg.eos_id} must be a token id and is for data.name=tokens only; chat and text "
+                         "data end documents with the tokenizer's <|endoftext|>")
     if not cfg.cache_dir:
         raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
     path = _source_path(cfg)
@@ -169,8 +180,10 @@ class PackedLoader:
         local_batch_size: int,
         dp_rank: int,
         dp_size: int,
+        eos_id: int | None = None,
     ) -> None:
         self._ids, self._mask = ids, mask  # 1-D streams; mask None = every target is trained
+        self._eos_id = eos_id  # None: position ids 0..T-1 in every window, else restarting after each eos
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.num_windows = len(ids) // (seq_len + 1)
@@ -209,8 +222,18 @@ class PackedLoader:
         if self._mask is not None:
             trained_BT = torch.from_numpy(self._mask[index_BT1[:, 1:]].astype(bool))
             labels_BT[~trained_BT] = IGNORE_INDEX
-        position_ids_BT = torch.arange(self.seq_len).expand(len(windows_B), -1).contiguous()
-        return {"input_ids": tokens_BT1[:, :-1].contiguous(), "labels": labels_BT, "position_ids": position_ids_BT}
+        input_ids_BT = tokens_BT1[:, :-1].contiguous()
+        return {"input_ids": input_ids_BT, "labels": labels_BT, "position_ids": self._position_ids(input_ids_BT)}
+
+    def _position_ids(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Distance of each token from its document's start: the window start, or the token after an eos."""
+        t_BT = torch.arange(self.seq_len).expand_as(input_ids_BT)
+        if self._eos_id is None:
+            return t_BT.contiguous()
+        start_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
+        start_BT[:, 0] = True
+        start_BT[:, 1:] = input_ids_BT[:, :-1] == self._eos_id
+        return t_BT - torch.where(start_BT, t_BT, 0).cummax(dim=1).values
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -230,10 +253,19 @@ def build_data_loader(
     path = _source_path(cfg)
     if cfg.name == "tokens":
         ids, mask = _load_tokens(path), None
-        vocab_size = int(ids.max()) + 1
+        vocab_size, eos_id = int(ids.max()) + 1, cfg.eos_id
     else:
         ids, mask = _tokenized_stream(cfg, path)
         mask = mask if cfg.mask_non_assistant else None
-        vocab_size = QwenTokenizer(cfg.tokenizer).vocab_size
+        tok = QwenTokenizer(cfg.tokenizer)
+        vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
     return PackedLoader(ids, mask, seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
-                        local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+                        local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                        eos_id=eos_id if cfg.document_mask else None)
+
+
+def context_shard(batch: dict[str, torch.Tensor], cp_rank: int, cp: int) -> dict[str, torch.Tensor]:
+    """This cp rank's contiguous 1/cp of every sequence of ``batch`` (tensors [..., T]; T divisible by cp)."""
+    if cp == 1:
+        return batch
+    return {name: x.chunk(cp, dim=-1)[cp_rank].contiguous() for name, x in batch.items()}

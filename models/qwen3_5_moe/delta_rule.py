@@ -6,7 +6,8 @@ Per value head, with a state S [k, v] (zeros unless ``initial_state``), for t = 
 
 The signatures follow flash-linear-attention's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``
 (time-major tensors, ``g`` in log space, ``scale`` defaulting to k^-0.5, fp32 final state), so a kernel registry can
-put FLA's kernels in their place. Not supported here: ``cu_seqlens`` (packed variable-length batches).
+put FLA's kernels in their place. ``cu_seqlens`` (packed variable-length sequences in a batch of one, as FLA takes
+them) runs each sequence on its own: simple and exact, one call per sequence.
 
 Letters: B batch, T time, h query/key heads, H value heads (a multiple of h: q/k head i serves value heads
 i*H/h .. (i+1)*H/h - 1, as in FLA and transformers), k key dim, v value dim, C chunk length, N chunks.
@@ -55,6 +56,32 @@ def _fp32(rule: Callable[..., R]) -> Callable[..., R]:
     return wrapper
 
 
+def _per_sequence(rule: Callable[..., tuple[Tensor, Tensor | None]]) -> Callable[..., tuple[Tensor, Tensor | None]]:
+    """Add FLA's ``cu_seqlens`` (the n + 1 offsets of n sequences): with a batch of one, tokens [cu_seqlens[i],
+    cu_seqlens[i + 1]) are sequence i, starting from ``initial_state[i]`` (or zeros); final states [n, H, k, v]."""
+
+    @functools.wraps(rule)
+    def wrapper(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *args: Any,
+                cu_seqlens: Tensor | None = None, initial_state: Tensor | None = None,
+                output_final_state: bool = False, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        if cu_seqlens is None:
+            return rule(q, k, v, g, beta, *args, initial_state=initial_state, output_final_state=output_final_state,
+                        **kwargs)
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs the sequences concatenated into a batch of 1, got batch {q.shape[0]}")
+        bounds = cu_seqlens.tolist()
+        outputs, states = [], []
+        for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            o, state = rule(*(x[:, start:end] for x in (q, k, v, g, beta)), *args,
+                            initial_state=None if initial_state is None else initial_state[i:i + 1],
+                            output_final_state=output_final_state, **kwargs)
+            outputs.append(o)
+            states.append(state)
+        return torch.cat(outputs, dim=1), torch.cat(states) if output_final_state else None
+
+    return wrapper
+
+
 def _initial_state(initial_state_BHkv: Tensor | None, v_BHTv: Tensor, k_dim: int) -> Tensor:
     if initial_state_BHkv is not None:
         return initial_state_BHkv.float()
@@ -62,6 +89,7 @@ def _initial_state(initial_state_BHkv: Tensor | None, v_BHTv: Tensor, k_dim: int
     return v_BHTv.new_zeros(B, H, k_dim, v_dim)
 
 
+@_per_sequence
 @_fp32
 def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
@@ -69,7 +97,8 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor | None]:
     """q, k [B, T, h, k]; v [B, T, H, v]; g (log decay, <= 0), beta [B, T, H]; initial_state [B, H, k, v].
-    Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None).
+    Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None). Also takes
+    ``cu_seqlens`` (see ``_per_sequence``).
 
     Within a chunk, with gamma_i the cumulative log decay from the chunk start, the deltas
     ``delta_i = beta_i (v_i - S_{i-1}^T k_i e^{g_i})`` solve the unit lower-triangular system
@@ -109,6 +138,7 @@ def chunk_gated_delta_rule(
     return o_BHTv.transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None
 
 
+@_per_sequence
 @_fp32
 def recurrent_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,

@@ -10,11 +10,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.layers import document_cu_seqlens
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.qwen3_5_moe.layers import GatedRMSNorm
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # chunk_gated_delta_rule's signature
+
+
+def causal_conv1d(x_BTF: torch.Tensor, w_FK: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal convolution ``y_t = sum_j w[:, K-1-j] * x_{t-j}``, with only the taps inside t's document
+    when ``doc_ids_BT`` is given (a document's window starts empty, as in a row of its own)."""
+    T, K = x_BTF.shape[1], w_FK.shape[1]
+    if doc_ids_BT is None:
+        # Padded on both sides by K - 1 and cut to the first T outputs, which makes it causal.
+        y_BFT = F.conv1d(x_BTF.transpose(1, 2), w_FK[:, None], padding=K - 1, groups=w_FK.shape[0])
+        return y_BFT[..., :T].transpose(1, 2)
+    y_BTF = x_BTF * w_FK[:, K - 1]
+    for j in range(1, K):  # tap j reads the token j back, if it is in the same document
+        same_BT = F.pad((doc_ids_BT[:, j:] == doc_ids_BT[:, :-j]).to(x_BTF.dtype), (j, 0))[:, :T]
+        y_BTF = y_BTF + F.pad(x_BTF, (0, 0, j, 0))[:, :T] * w_FK[:, K - 1 - j] * same_BT[..., None]
+    return y_BTF
 
 
 class GatedDeltaNet(nn.Module):
@@ -29,6 +45,7 @@ class GatedDeltaNet(nn.Module):
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"delta_rule": "chunk_gated_delta_rule",
                                                  "recurrent_delta_rule": "fused_recurrent_gated_delta_rule"}
+    sequence_ops: ClassVar[Mapping[str, str]] = {"core_delta_rule": "delta_rule"}
     # FLA's layers switch to the recurrent kernel (which has no backward) at this length and below.
     max_recurrent_len: ClassVar[int] = 64
 
@@ -44,7 +61,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
-        # Depthwise; padded on both sides by kernel - 1 and cut to the first T outputs, which makes it causal.
+        # Depthwise and causal (see causal_conv1d); the module holds the weight under transformers' name.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=args.linear_conv_kernel_dim, groups=conv_dim,
                                 padding=args.linear_conv_kernel_dim - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
@@ -54,23 +71,42 @@ class GatedDeltaNet(nn.Module):
         self.delta_rule: DeltaRule = functools.partial(chunk_gated_delta_rule, chunk_size=64)
         self.recurrent_delta_rule: DeltaRule = recurrent_gated_delta_rule
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        qkv_BFT = self.conv1d(self.in_proj_qkv(x_BTD).transpose(1, 2))[..., :T]  # F = conv channels
-        qkv_BTF = F.silu(qkv_BFT).transpose(1, 2)
-        q_BTF, k_BTF, v_BTF = qkv_BTF.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        h, H, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        split_F = [self.key_dim, self.key_dim, self.value_dim]  # F = conv channels [q | k | v]
+        q_BTF, k_BTF, v_BTF = self.in_proj_qkv(x_BTD).split(split_F, dim=-1)
+        conv_q_FK, conv_k_FK, conv_v_FK = self.conv1d.weight[:, 0].split(split_F)
         beta_BTH = torch.sigmoid(self.in_proj_b(x_BTD))
         # fp32: in bf16/fp16, exp(A_log) times softplus could overflow or lose the decay's precision.
         g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
-        recurrent = T <= self.max_recurrent_len and not self.training and not torch.is_grad_enabled()
-        o_BTHv, _ = (self.recurrent_delta_rule if recurrent else self.delta_rule)(
-            q_BTF.reshape(B, T, self.num_k_heads, self.head_k_dim),
-            k_BTF.reshape(B, T, self.num_k_heads, self.head_k_dim),
-            v_BTF.reshape(B, T, self.num_v_heads, self.head_v_dim),
-            g=g_BTH, beta=beta_BTH, use_qk_l2norm_in_kernel=True,
-        )
-        z_BTHv = self.in_proj_z(x_BTD).view(B, T, self.num_v_heads, self.head_v_dim)
+        o_BTHv = self.core_delta_rule(
+            q_BTF.view(B, T, h, dk), k_BTF.view(B, T, h, dk), v_BTF.view(B, T, H, dv), g_BTH, beta_BTH,
+            (conv_q_FK.view(h, dk, -1), conv_k_FK.view(h, dk, -1), conv_v_FK.view(H, dv, -1)), doc_ids_BT)
+        z_BTHv = self.in_proj_z(x_BTD).view(B, T, H, dv)
         return self.out_proj(self.norm(o_BTHv, z_BTHv).reshape(B, T, -1))
+
+    def core_delta_rule(self, q_BThk: torch.Tensor, k_BThk: torch.Tensor, v_BTHv: torch.Tensor, g_BTH: torch.Tensor,
+                        beta_BTH: torch.Tensor, conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                        doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+        """Causal conv (silu) and the delta rule over the whole sequence on the heads given: h q/k heads with their
+        conv taps [h, k, K] (q and k) and H value heads with theirs [H, v, K]. A sequence op: CP passes a head shard.
+        Packed documents run as FLA's variable-length sequences (``cu_seqlens``, a batch of one)."""
+        B, T, h, dk = q_BThk.shape
+        H, dv = v_BTHv.shape[2:]
+        qkv_BTF = torch.cat([x.flatten(2) for x in (q_BThk, k_BThk, v_BTHv)], dim=-1)
+        w_FK = torch.cat([w.flatten(0, 1) for w in conv_weights])
+        q_BTF, k_BTF, v_BTF = F.silu(causal_conv1d(qkv_BTF, w_FK, doc_ids_BT)).split([h * dk, h * dk, H * dv], dim=-1)
+        q_BThk, k_BThk, v_BTHv = q_BTF.reshape(B, T, h, dk), k_BTF.reshape(B, T, h, dk), v_BTF.reshape(B, T, H, dv)
+        recurrent = T <= self.max_recurrent_len and not self.training and not torch.is_grad_enabled()
+        rule = self.recurrent_delta_rule if recurrent else self.delta_rule
+        if doc_ids_BT is None:
+            o_BTHv, _ = rule(q_BThk, k_BThk, v_BTHv, g=g_BTH, beta=beta_BTH, use_qk_l2norm_in_kernel=True)
+            return o_BTHv
+        o_1NHv, _ = rule(*(x.flatten(0, 1)[None] for x in (q_BThk, k_BThk, v_BTHv)), g=g_BTH.flatten(0, 1)[None],
+                         beta=beta_BTH.flatten(0, 1)[None], use_qk_l2norm_in_kernel=True,
+                         cu_seqlens=document_cu_seqlens(doc_ids_BT))
+        return o_1NHv.view(B, T, H, dv)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.layers import RMSNorm, apply_rotary, rms_norm, rotary_cos_sin, swiglu
+from models.layers import RMSNorm, apply_rotary, causal_attention, rms_norm, rotary_cos_sin, swiglu
 from models.moe import RouterStats, SparseMoeBlock
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 
@@ -86,6 +86,7 @@ class GatedAttention(nn.Module):
     q_proj emits [q_h | gate_h] per head, out = o_proj(attn * sigmoid(gate))."""
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"rotary": "apply_rotary"}
+    sequence_ops: ClassVar[Mapping[str, str]] = {"core_attention": "attention"}
 
     def __init__(self, args: Qwen3_5MoeArgs) -> None:
         super().__init__()
@@ -100,19 +101,22 @@ class GatedAttention(nn.Module):
         self.k_norm = OffsetRMSNorm(self.head_dim, args.rms_norm_eps)
         self.rotary = apply_rotary
 
-    def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
+                doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BTHd, gate_BTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q_BHTd = self.q_norm(q_BTHd).transpose(1, 2)
         k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTd, k_BHTd = self.rotary(q_BHTd, cos_BTr, sin_BTr), self.rotary(k_BHTd, cos_BTr, sin_BTr)
-        o_BHTd = F.scaled_dot_product_attention(
-            q_BHTd, k_BHTd, v_BHTd, is_causal=True, scale=self.head_dim**-0.5,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        o_BHTd = self.core_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT)
         o_BTHd = o_BHTd.transpose(1, 2) * torch.sigmoid(gate_BTHd)
         return self.o_proj(o_BTHd.reshape(B, T, -1))
+
+    def core_attention(self, q_BHTd: torch.Tensor, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor,
+                       doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+        """Attention over the whole sequence on the heads given (a sequence op: CP passes a head shard)."""
+        return causal_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT, scale=self.head_dim**-0.5)
 
 
 class SwiGLU(nn.Module):

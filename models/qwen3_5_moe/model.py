@@ -7,10 +7,12 @@ No parallel plumbing here: ``parallelisms/`` shards this module from the outside
 
 from __future__ import annotations
 
+from typing import ClassVar, Mapping
+
 import torch
 import torch.nn as nn
 
-from models.layers import RMSNorm
+from models.layers import RMSNorm, document_ids
 from models.moe import GroupedExperts, RouterStats, TopKRouter
 from models.qwen3_5_moe.args import FULL_ATTENTION, Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
@@ -30,18 +32,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = OffsetRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = SharedExpertMoeBlock(args)
 
-    def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor
-                ) -> tuple[torch.Tensor, RouterStats]:
+    def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
+                doc_ids_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats]:
         h_BTD = self.input_layernorm(x_BTD)
         if self.layer_type == FULL_ATTENTION:
-            x_BTD = x_BTD + self.self_attn(h_BTD, cos_BTr, sin_BTr)
+            x_BTD = x_BTD + self.self_attn(h_BTD, cos_BTr, sin_BTr, doc_ids_BT)
         else:
-            x_BTD = x_BTD + self.linear_attn(h_BTD)  # position comes from the recurrence, not from RoPE
+            x_BTD = x_BTD + self.linear_attn(h_BTD, doc_ids_BT)  # position comes from the recurrence, not from RoPE
         moe_BTD, stats = self.mlp(self.post_attention_layernorm(x_BTD))
         return x_BTD + moe_BTD, stats
 
 
 class Qwen3_5MoeModel(nn.Module):
+    sequence_ops: ClassVar[Mapping[str, str]] = {"find_documents": "documents"}
+
     def __init__(self, args: Qwen3_5MoeArgs) -> None:
         super().__init__()
         self.args = args
@@ -53,11 +57,16 @@ class Qwen3_5MoeModel(nn.Module):
                 ) -> tuple[torch.Tensor, list[RouterStats]]:
         h_BTD = self.embed_tokens(input_ids_BT)
         cos_BTr, sin_BTr = mrope_cos_sin(position_ids, self.args, h_BTD.dtype)
+        doc_ids_BT = self.find_documents(position_ids)
         stats = []
         for layer in self.layers:
-            h_BTD, layer_stats = layer(h_BTD, cos_BTr, sin_BTr)
+            h_BTD, layer_stats = layer(h_BTD, cos_BTr, sin_BTr, doc_ids_BT)
             stats.append(layer_stats)
         return self.norm(h_BTD), stats
+
+    def find_documents(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """Document ids of the whole sequence (a sequence op: under CP, of every cp rank's position ids)."""
+        return document_ids(position_ids)
 
 
 class Qwen3_5MoeForCausalLM(nn.Module):

@@ -7,12 +7,12 @@ No parallel plumbing here: ``parallelisms/`` shards this module from the outside
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from models.layers import RMSNorm, apply_rotary, rotary_cos_sin
+from models.layers import RMSNorm, apply_rotary, causal_attention, document_ids, rotary_cos_sin
 from models.moe import GroupedExperts, RouterStats, SparseMoeBlock, TopKRouter
 from models.qwen3_moe.args import Qwen3MoeArgs
 
@@ -26,6 +26,8 @@ class CausalLMOutput:
 class Attention(nn.Module):
     """GQA with per-head RMSNorm on q and k before RoPE, through torch SDPA."""
 
+    sequence_ops: ClassVar[Mapping[str, str]] = {"core_attention": "attention"}
+
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -38,17 +40,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def forward(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor,
+                doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BHTd = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTd, k_BHTd = apply_rotary(q_BHTd, cos_BTd, sin_BTd), apply_rotary(k_BHTd, cos_BTd, sin_BTd)
-        o_BHTd = F.scaled_dot_product_attention(
-            q_BHTd, k_BHTd, v_BHTd, is_causal=True, scale=self.head_dim**-0.5,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        o_BHTd = self.core_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT)
         return self.o_proj(o_BHTd.transpose(1, 2).reshape(B, T, -1))
+
+    def core_attention(self, q_BHTd: torch.Tensor, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor,
+                       doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+        """Attention over the whole sequence on the heads given (a sequence op: CP passes a head shard)."""
+        return causal_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT, scale=self.head_dim**-0.5)
 
 
 class DecoderLayer(nn.Module):
@@ -60,14 +65,16 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(args.hidden_size, args.num_experts, args.num_experts_per_tok,
                                   args.moe_intermediate_size, args.norm_topk_prob)
 
-    def forward(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor
-                ) -> tuple[torch.Tensor, RouterStats]:
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_BTd, sin_BTd)
+    def forward(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor,
+                doc_ids_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats]:
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos_BTd, sin_BTd, doc_ids_BT)
         moe_BTD, stats = self.mlp(self.post_attention_layernorm(x_BTD))
         return x_BTD + moe_BTD, stats
 
 
 class Qwen3MoeModel(nn.Module):
+    sequence_ops: ClassVar[Mapping[str, str]] = {"find_documents": "documents"}
+
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
         self.args = args
@@ -79,11 +86,16 @@ class Qwen3MoeModel(nn.Module):
                 ) -> tuple[torch.Tensor, list[RouterStats]]:
         h_BTD = self.embed_tokens(input_ids_BT)
         cos_BTd, sin_BTd = rotary_cos_sin(position_ids_BT, self.args.head_dim, self.args.rope_theta, h_BTD.dtype)
+        doc_ids_BT = self.find_documents(position_ids_BT)
         stats = []
         for layer in self.layers:
-            h_BTD, layer_stats = layer(h_BTD, cos_BTd, sin_BTd)
+            h_BTD, layer_stats = layer(h_BTD, cos_BTd, sin_BTd, doc_ids_BT)
             stats.append(layer_stats)
         return self.norm(h_BTD), stats
+
+    def find_documents(self, position_ids_BT: torch.Tensor) -> torch.Tensor | None:
+        """Document ids of the whole sequence (a sequence op: under CP, of every cp rank's position ids)."""
+        return document_ids(position_ids_BT)
 
 
 class Qwen3MoeForCausalLM(nn.Module):

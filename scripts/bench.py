@@ -1,0 +1,85 @@
+"""Throughput benchmark: tokens/s/GPU, TFLOPS/GPU, MFU and peak memory for a layout x dispatcher grid.
+
+    python scripts/bench.py --model qwen3_moe_30b_a3b --layers 8 --nproc 2 --layouts ep2,fsdp2 \\
+        --dispatchers eager --seq-len 4096 --local-batch 4 --steps 20
+
+Each grid cell is one ``train.py`` run (under torchrun when --nproc > 1) on random token ids, bf16 compute
+with fp32 master weights, optimizer state and gradient reduction. Steps before --warmup are not averaged.
+FLOPs per token are counted as torchtitan does (``flops_per_token`` of the model's args): 6 x active
+non-embedding parameters (LM head included) + 12 x layers x heads x head_dim x seq_len for attention
+(Qwen3.5: full-attention layers only, plus the documented DeltaNet term). MFU = achieved / peak dense bf16
+(training/device.py's table; 989 TFLOP/s for an H100/H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
+    overrides = [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
+                 f"dispatcher={dispatcher}", "data=tokens", f"data.path={tokens}", f"data.seq_len={args.seq_len}",
+                 f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
+                 f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
+                 "train.save_final=false", "logging.tensorboard=false", *args.extra]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+                if args.nproc > 1 else [sys.executable])
+    result = subprocess.run([*launcher, str(REPO / "train.py"), *overrides], cwd=REPO)
+    if result.returncode != 0:
+        return {"layout": layout, "dispatcher": dispatcher, "error": f"exit code {result.returncode}"}
+    metrics = [json.loads(line) for line in (out / f"{layout}-{dispatcher}" / "metrics.jsonl").open()]
+    timed = metrics[args.warmup:] or metrics
+    mean = lambda key: float(np.mean([m[key] for m in timed]))  # noqa: E731
+    tps = mean("tokens_per_s_per_device")
+    mfu = mean("mfu") if timed[0]["mfu"] is not None else None
+    return {"layout": layout, "dispatcher": dispatcher, "tokens_per_s_per_gpu": tps,
+            "tflops_per_gpu": mean("tflops_per_device"), "mfu": mfu,
+            "peak_mem_gib": max(m["peak_mem_gib"] for m in metrics), "final_loss": metrics[-1]["loss"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3_moe_30b_a3b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--layouts", default="single")
+    parser.add_argument("--dispatchers", default="eager")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--local-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
+    parser.add_argument("--vocab", type=int, default=151643, help="token ids are drawn below this")
+    parser.add_argument("extra", nargs="*", help="more train.py overrides")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokens = args.out / "random_tokens.npy"
+    need = args.steps * args.local_batch * args.nproc * (args.seq_len + 1) * 2
+    np.save(tokens, np.random.default_rng(0).integers(0, args.vocab, size=need, dtype=np.int64))
+    rows = [run_cell(args, layout, dispatcher, args.out, tokens)
+            for layout in args.layouts.split(",") for dispatcher in args.dispatchers.split(",")]
+    print(f"\n{args.model} x {args.layers} layers, seq {args.seq_len}, local batch {args.local_batch}, "
+          f"{args.nproc} process(es), mean over steps {args.warmup + 1}..{args.steps}")
+    print("| layout | dispatcher | tokens/s/GPU | TFLOPS/GPU | MFU | peak mem GiB | final loss |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['layout']} | {r['dispatcher']} | {r['error']} | | | | |")
+            continue
+        tflops = f"{r['tflops_per_gpu']:.0f}"
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        print(f"| {r['layout']} | {r['dispatcher']} | {r['tokens_per_s_per_gpu']:,.0f} | {tflops} | {mfu} | "
+              f"{r['peak_mem_gib']:.1f} | {r['final_loss']:.3f} |")
+    (args.out / "bench.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Ulysses context parallelism and packed documents.
+
+- Every CP preset that fits 8 gloo ranks trains both families through ``train.run`` like one process: the same
+  loss and grad norm over 3 steps (fp32, rel 1e-4: the layouts differ only in summation order), on packed
+  documents, so the CP runs mask documents across cp ranks exactly as the single process does.
+- Packed documents give the logits of each document run as its own row, without CP and under cp2 / cp4 (cp4
+  repeats the 2 kv heads and DeltaNet's 2 q/k heads); Qwen3-MoE's packed rows equal transformers' packed sequences.
+- The 16-rank cp2_ep4_efsdp2 meshes (a fake process group, no spawn), and the config checks.
+All ranks' work is one spawn of 8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed._functional_collectives import all_gather_tensor
+
+import train
+from models import build_args, get_spec
+from models.hf_io import export_hf
+from models.layers import document_ids
+from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, parallelize_model, resolve_sizes,
+                          validate_parallel_config)
+from tests.conftest import compose_config
+from tests.dist_utils import load_full_weights, run_distributed
+from training.data import context_shard
+
+WORLD, STEPS, SEQ, GLOBAL_BATCH, EOS = 8, 3, 32, 8, 0
+PRESETS = ["cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2"]  # every CP preset that fits 8 ranks
+TINY = {  # per family: the debug preset cut to the synthetic 256-token vocabulary
+    "qwen3_moe": ["model=qwen3_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
+                  "model.arch.head_dim=8", "model.arch.moe_intermediate_size=16"],
+    "qwen3_5_moe": ["model=qwen35_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
+                    "model.arch.moe_intermediate_size=16", "model.arch.shared_expert_intermediate_size=16"],
+}
+# Two packed rows of SEQ tokens: documents crossing the cp shard boundaries (8, 16, 24), and one whole row.
+DOC_LENGTHS = [[5, 11, 3, 13], [SEQ]]
+
+
+def write_documents(path: Path, num_tokens: int, seed: int = 0) -> None:
+    """A token corpus of documents of 3..23 tokens, each ended by EOS: learnable runs of a fixed random pattern."""
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(1, 256, size=97)
+    docs = []
+    while sum(map(len, docs)) < num_tokens:
+        docs.append(np.append(np.roll(pattern, -rng.integers(97))[:rng.integers(3, 24)], EOS))
+    np.save(path, np.concatenate(docs)[:num_tokens].astype(np.int64))
+
+
+def train_config(tmp_path: Path, family: str, parallel: str):
+    """3 steps from tmp_path/<family> on tmp_path/tokens.npy, a global batch of GLOBAL_BATCH, clipping active."""
+    dp = 1 if parallel == "single" else WORLD // compose_config([f"parallel={parallel}"]).parallel.cp_size
+    return compose_config([
+        *TINY[family], f"model.init_from={tmp_path / family}", f"parallel={parallel}", "data=tokens",
+        f"data.path={tmp_path / 'tokens.npy'}", f"data.eos_id={EOS}", f"data.seq_len={SEQ}",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / f'{family}-{parallel}'}",
+        f"train.steps={STEPS}", f"train.local_batch_size={GLOBAL_BATCH // dp}", "train.save_final=false",
+        "optim.warmup_steps=0", "optim.lr=1e-2", "optim.grad_clip=0.5", "logging.tensorboard=false",
+        "train.device=cpu", "train.mixed_precision=fp32"])
+
+
+def model_args(family: str):
+    cfg = compose_config(TINY[family])
+    return build_args(cfg.model.model_type, dict(cfg.model.arch))
+
+
+def seeded_model(family: str, **arch) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = get_spec(family).model_cls(dataclasses.replace(model_args(family), **arch))
+    model.init_weights()
+    return model
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and document-restarting position ids [2, SEQ] of DOC_LENGTHS."""
+    input_ids_BT = torch.randint(1, 256, (len(DOC_LENGTHS), SEQ), generator=torch.Generator().manual_seed(1))
+    position_ids_BT = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOC_LENGTHS])
+    return input_ids_BT, position_ids_BT
+
+
+def separate_rows_logits(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Logits of every document of DOC_LENGTHS run as a row of its own, put back in packed order."""
+    rows = []
+    for b, lengths in enumerate(DOC_LENGTHS):
+        starts = np.cumsum([0, *lengths])
+        rows.append(torch.cat([model(input_ids_BT[b:b + 1, s:e]).logits for s, e in zip(starts, starts[1:])], dim=1))
+    return torch.cat(rows)
+
+
+def cp_logits(family: str, preset: str, weights: dict, rank: int, world_size: int) -> torch.Tensor:
+    """Logits of the packed batch under ``preset``, each rank running its cp shard, gathered over cp."""
+    cfg = compose_config([f"parallel={preset}"]).parallel
+    spec = get_spec(family)
+    dims = build_parallel_dims(cfg, world_size, rank, "cpu")
+    with torch.device("meta"):
+        model = spec.model_cls(model_args(family))
+    model = parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32)
+    model.to_empty(device="cpu")
+    load_full_weights(model, weights)
+    input_ids_BT, position_ids_BT = packed_batch()
+    shard = context_shard({"input_ids": input_ids_BT, "position_ids": position_ids_BT}, dims.cp_rank, dims.cp)
+    with torch.no_grad():
+        logits_BtV = model(shard["input_ids"], shard["position_ids"]).logits
+    return all_gather_tensor(logits_BtV, gather_dim=1, group=dims.mesh("cp").get_group()).clone()
+
+
+def worker(rank: int, world_size: int, cfgs: dict, weights: dict) -> tuple[dict, dict]:
+    histories = {name: train.run(cfg) for name, cfg in cfgs.items()}
+    logits = {(family, preset): cp_logits(family, preset, weights[family], rank, world_size)
+              for family in TINY for preset in ("cp2", "cp4")}
+    return histories, {f"{family}-{preset}": x for (family, preset), x in logits.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("context_parallel")
+    write_documents(tmp_path / "tokens.npy", 4096)
+    weights = {}
+    for family in TINY:  # one seeded checkpoint per family that every layout loads
+        model = seeded_model(family)
+        export_hf(model, family, tmp_path / family)
+        weights[family] = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = {family: train.run(train_config(tmp_path, family, "single")) for family in TINY}
+    cfgs = {f"{family}-{preset}": train_config(tmp_path, family, preset) for family in TINY for preset in PRESETS}
+    histories, logits = run_distributed(worker, WORLD, cfgs, weights, timeout_s=600)
+    return reference, histories, logits, weights
+
+
+@pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cp_preset_trains_like_one_process(runs, family, preset):
+    reference, histories, *_ = runs
+    got, want = histories[f"{family}-{preset}"], reference[family]
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
+    assert want[0]["grad_norm"] > 0.5  # max_norm 0.5 really clipped
+
+
+def assert_documents_separate(model: torch.nn.Module, packed_logits: torch.Tensor) -> None:
+    input_ids_BT, _ = packed_batch()
+    with torch.no_grad():
+        want = separate_rows_logits(model, input_ids_BT)
+        unmasked = model(input_ids_BT).logits
+    # fp32 reordering only (masked conv taps and per-document delta rule against F.conv1d and one long row).
+    torch.testing.assert_close(packed_logits, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(unmasked, want, rtol=1e-4, atol=1e-5)  # the masking is what made them equal
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_packed_documents_equal_separate_rows(family):
+    model = seeded_model(family, initializer_range=0.1)  # far from uniform attention, so a leak would show
+    with torch.no_grad():
+        packed = model(*packed_batch()).logits
+    assert_documents_separate(model, packed)
+
+
+@pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.parametrize("preset", ["cp2", "cp4"])
+def test_packed_documents_equal_separate_rows_under_cp(runs, family, preset):
+    *_, logits, weights = runs
+    model = get_spec(family).model_cls(model_args(family))
+    model.load_state_dict(weights[family])
+    assert_documents_separate(model, logits[f"{family}-{preset}"])
+
+
+def test_packed_rows_equal_transformers_packed_sequences():
+    """transformers detects packed sequences from position ids (with no mask and no cache) by the same rule."""
+    ours = seeded_model("qwen3_moe", initializer_range=0.1)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**vars(ours.args))).float()
+    hf.load_state_dict(ours.state_dict(), strict=True)
+    input_ids_BT, position_ids_BT = packed_batch()
+    with torch.no_grad():
+        got = ours(input_ids_BT, position_ids_BT).logits
+        want = hf(input_ids=input_ids_BT, position_ids=position_ids_BT, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # fp32 round-off of two orderings, as the parity tests
+
+
+def test_document_ids_follow_transformers_rule():
+    position_ids_BT = torch.tensor([[0, 1, 2, 0, 1, 0, 0], [4, 5, 6, 7, 8, 9, 10]])
+    assert document_ids(position_ids_BT).tolist() == [[0, 0, 0, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
+    assert document_ids(torch.arange(7).expand(2, 7) + 3) is None  # unpacked rows keep the causal kernel
+    assert document_ids(position_ids_BT.expand(3, 2, 7)) is None  # multimodal streams: one document per row
+
+
+# ---------------------------------------------------------------------------------------------- without a spawn
+
+def test_seeds_16_rank_layout_meshes():
+    """cp2_ep4_efsdp2 on 16 ranks (fake process group): cp ranks are neighbours sharing a batch slice; each
+    ep group holds one cp coordinate; experts are sharded over efsdp and replicated over expert_cp."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallelisms.dims import _build_meshes
+
+    cfg = compose_config(["parallel=cp2_ep4_efsdp2"]).parallel
+    for arch in ({"num_attention_heads": 32, "num_key_value_heads": 4},  # Qwen3-30B-A3B
+                 {"num_attention_heads": 16, "num_key_value_heads": 2,  # Qwen3.5-35B-A3B
+                  "linear_num_value_heads": 32, "linear_num_key_heads": 16}):
+        validate_parallel_config(cfg, 16, 128, arch=arch, seq_len=4096)
+    sizes = resolve_sizes(cfg, 16)
+    assert (sizes.dp, sizes.cp, sizes.ep, sizes.efsdp, sizes.edp) == (8, 2, 4, 2, 1)
+    assert sizes.expert_mesh_shape == (1, 2, 4, 2)
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+    try:
+        meshes = _build_meshes(sizes, "cpu")
+        groups = {name: meshes[name].mesh.tolist() for name in ("cp", "ep", "efsdp", "edp_cp", "expert_fsdp")}
+    finally:
+        dist.destroy_process_group()
+    assert groups == {"cp": [4, 5], "ep": [1, 3, 5, 7], "efsdp": [5, 13], "edp_cp": [4, 5],
+                      "expert_fsdp": [[4, 12], [5, 13]]}
+
+
+QWEN3_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2}
+QWEN35_HEADS = {**QWEN3_HEADS, "linear_num_value_heads": 8, "linear_num_key_heads": 2}
+
+
+@pytest.mark.parametrize("cp, arch, seq_len, pattern", [
+    (4, {"num_attention_heads": 6, "num_key_value_heads": 2}, 64,
+     r"model.arch.num_attention_heads=6 must be divisible by parallel.cp_size=4 .*fix: parallel.cp_size one of "
+     r"\[1, 2\]"),
+    (4, {"num_attention_heads": 12, "num_key_value_heads": 3}, 64,
+     r"model.arch.num_key_value_heads=3 and parallel.cp_size=4: one must divide the other"),
+    (4, {**QWEN35_HEADS, "linear_num_value_heads": 12, "linear_num_key_heads": 3}, 64,
+     r"model.arch.linear_num_key_heads=3 and parallel.cp_size=4: one must divide the other"),
+    (4, {**QWEN35_HEADS, "linear_num_value_heads": 6, "linear_num_key_heads": 2}, 64,
+     r"model.arch.linear_num_value_heads=6 must be divisible by parallel.cp_size=4"),
+    (2, QWEN3_HEADS, 33, r"data.seq_len=33 must be divisible by parallel.cp_size=2 .*fix: parallel.cp_size one of \[1\]"),
+    (3, QWEN3_HEADS, 60, r"parallel.cp_size=3 must divide the world size 8"),
+    (2, None, 64, r"parallel.cp_size=2: checking context parallelism needs the model's head counts"),
+])
+def test_bad_cp_layouts_fail_naming_the_key_and_the_fix(cp, arch, seq_len, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        validate_parallel_config(ParallelConfig(cp_size=cp, backend=BackendConfig()), 8, 8, arch=arch,
+                                 seq_len=seq_len)
+
+
+@pytest.mark.parametrize("cp, arch", [(2, QWEN3_HEADS), (4, QWEN3_HEADS), (4, QWEN35_HEADS), (8, {
+    "num_attention_heads": 8, "num_key_value_heads": 1})])
+def test_cp_up_to_the_heads_validates(cp, arch):
+    validate_parallel_config(ParallelConfig(cp_size=cp, backend=BackendConfig()), 8, 8, arch=arch, seq_len=64)

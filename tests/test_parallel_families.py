@@ -1,0 +1,81 @@
+"""Eight gloo ranks, one spawn: Qwen3.5-MoE under ep2 and ep4_efsdp2, and a checkpoint saved under
+ep4_efsdp2 resumed under ep2 and under fsdp2, each against the single-process run (fp32, rel 1e-4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import train
+from models import build_args, get_spec
+from models.hf_io import export_hf
+from tests.conftest import compose_config, write_tokens
+from tests.dist_utils import run_distributed
+
+WORLD = 8
+TINY = {  # per family: a tiny architecture on the synthetic 256-token vocabulary
+    "qwen3_moe": ["model=qwen3_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
+                  "model.arch.head_dim=8", "model.arch.moe_intermediate_size=16"],
+    "qwen3_5_moe": ["model=qwen35_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
+                    "model.arch.moe_intermediate_size=16", "model.arch.shared_expert_intermediate_size=16"],
+}
+
+
+def config(tmp_path: Path, family: str, parallel: str, run: str, *overrides: str, steps: int = 4):
+    local_batch = 8 if parallel == "single" else 1  # the same global batch of 8 sequences
+    return compose_config([
+        *TINY[family], f"model.init_from={tmp_path / family}", f"parallel={parallel}", "data=tokens",
+        f"data.path={tmp_path / 'tokens.npy'}", "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}",
+        f"train.output_dir={tmp_path / run}", f"train.steps={steps}", f"train.local_batch_size={local_batch}",
+        "train.save_final=false", "optim.warmup_steps=0", "optim.lr=1e-2", "logging.tensorboard=false",
+        "train.device=cpu", "train.mixed_precision=fp32", *overrides])
+
+
+def worker(rank: int, world_size: int, cfgs: dict) -> dict:
+    return {name: train.run(cfg) for name, cfg in cfgs.items()}  # in order: the resumes follow the save
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("families")
+    write_tokens(tmp_path / "tokens.npy", 4096)
+    for family in TINY:  # one seeded checkpoint per family that every layout loads
+        cfg = config(tmp_path, family, "single", "init")
+        args = build_args(cfg.model.model_type, dict(cfg.model.arch))
+        model = get_spec(cfg.model.model_type).model_cls(args)
+        model.init_weights()
+        export_hf(model, cfg.model.model_type, tmp_path / family)
+    reference = {family: train.run(config(tmp_path, family, "single", f"single-{family}")) for family in TINY}
+    saved = tmp_path / "ep4_efsdp2-ckpt" / "checkpoints" / "step_00000002"
+    parallel = {
+        "qwen35-ep2": config(tmp_path, "qwen3_5_moe", "ep2", "qwen35-ep2"),
+        "qwen35-ep4_efsdp2": config(tmp_path, "qwen3_5_moe", "ep4_efsdp2", "qwen35-ep4_efsdp2"),
+        "save-ep4_efsdp2": config(tmp_path, "qwen3_moe", "ep4_efsdp2", "ep4_efsdp2-ckpt", "checkpoint.interval=2"),
+        "resume-ep2": config(tmp_path, "qwen3_moe", "ep2", "resume-ep2", f"train.resume={saved}"),
+        "resume-fsdp2": config(tmp_path, "qwen3_moe", "fsdp2", "resume-fsdp2", f"train.resume={saved}"),
+    }
+    return reference, run_distributed(worker, WORLD, parallel, timeout_s=600)
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    want_by_step = {m["step"]: m for m in want}
+    for g in got:
+        w = want_by_step[g["step"]]
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
+
+
+@pytest.mark.parametrize("preset", ["ep2", "ep4_efsdp2"])
+def test_qwen35_trains_like_one_process(runs, preset):
+    reference, results = runs
+    assert [m["step"] for m in results[f"qwen35-{preset}"]] == [1, 2, 3, 4]
+    assert_same(results[f"qwen35-{preset}"], reference["qwen3_5_moe"])
+
+
+@pytest.mark.parametrize("layout", ["ep2", "fsdp2"])
+def test_checkpoint_from_ep4_efsdp2_resumes_in_another_layout(runs, layout):
+    reference, results = runs
+    assert_same(results["save-ep4_efsdp2"], reference["qwen3_moe"])
+    assert [m["step"] for m in results[f"resume-{layout}"]] == [3, 4]
+    assert_same(results[f"resume-{layout}"], reference["qwen3_moe"])
