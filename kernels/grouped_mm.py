@@ -55,7 +55,12 @@ class _DenseGrad(torch.autograd.Function):
 
 
 def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """Multiply each group of rows of ``x_MK`` (sizes ``counts_G``, in order) by its matrix ``w_GKN[g]``."""
+    """Multiply each group of rows of ``x_MK`` (sizes ``counts_G``, in order) by its matrix ``w_GKN[g]``.
+    Under autocast both operands are cast to its dtype, as autocast does for ``torch.mm``."""
+    device_type = x_MK.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x_MK, w_GKN = x_MK.to(dtype), w_GKN.to(dtype)
     if native_grouped_mm_ok(x_MK, w_GKN):
         offs_G = torch.cumsum(counts_G, dim=0, dtype=torch.int32)
         return _DenseGrad.apply(torch._grouped_mm(x_MK, w_GKN, offs=offs_G))
