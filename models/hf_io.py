@@ -34,9 +34,9 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models import ModelSpec, build_args, get_spec
+from models.init import local_box
 
 logger = logging.getLogger(__name__)
 
@@ -226,21 +226,6 @@ def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
                  for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
                  if names]
         raise ValueError("state dict does not match the model:\n  " + "\n  ".join(lines))
-
-
-def local_box(param: torch.Tensor) -> tuple[slice, ...]:
-    """Where this rank's shard of ``param`` lies in the global tensor: the whole tensor for a plain one; for
-    a DTensor the box DTensor itself computes from its placements (Shard chunks as torch.chunk does, ceil
-    sizes with short or empty tails; nested shards of one dim, e.g. FSDP over EP, included)."""
-    if not isinstance(param, DTensor):
-        return _whole(param.shape)
-    if param.device_mesh.get_coordinate() is None:
-        raise ValueError(f"rank {dist.get_rank()} is not in the parameter's mesh {param.device_mesh}")
-    for placement in param.placements:
-        if placement.is_partial():
-            raise NotImplementedError(f"loading into a DTensor with a {placement} placement")
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

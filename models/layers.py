@@ -40,6 +40,7 @@ class RMSNorm(nn.Module):
     """``w * x / rms(x)`` with the normalisation in fp32, as transformers' Qwen3 RMSNorm."""
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"norm_fn": "rms_norm"}
+    init_value: ClassVar[float] = 1.0
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -51,7 +52,7 @@ class RMSNorm(nn.Module):
         return self.norm_fn(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, self.init_value)
 
 
 def rotary_cos_sin(

@@ -78,7 +78,7 @@ def heads_to_seq(x_BTn_: Tensor, group: dist.ProcessGroup) -> Tensor:
 def _spread_heads(x: Tensor, dim: int, cp: int) -> Tensor:
     """Repeat each head cp/n times when there are fewer heads n than cp ranks, so every rank gets a whole one."""
     n = x.shape[dim]
-    return x if n % cp == 0 else x.repeat(*[cp // n if d == dim else 1 for d in range(x.dim())])
+    return x if n % cp == 0 else x.repeat_interleave(cp // n, dim=dim)
 
 
 def _ulysses_attention(core: Callable[..., Tensor], group: dist.ProcessGroup) -> Callable[..., Tensor]:

@@ -33,6 +33,8 @@ from training.data import context_shard
 
 WORLD, STEPS, SEQ, GLOBAL_BATCH, EOS = 8, 3, 32, 8, 0
 PRESETS = ["cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2"]  # every CP preset that fits 8 ranks
+# Activation checkpointing around the all-to-alls: recomputed (full) and kept (selective), both mixers.
+AC_VARIANTS = {"cp4-full_ac": ("cp4", "full"), "cp2_ep2_efsdp2-selective_ac": ("cp2_ep2_efsdp2", "selective")}
 TINY = {  # per family: the debug preset cut to the synthetic 256-token vocabulary
     "qwen3_moe": ["model=qwen3_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
                   "model.arch.head_dim=8", "model.arch.moe_intermediate_size=16"],
@@ -53,16 +55,16 @@ def write_documents(path: Path, num_tokens: int, seed: int = 0) -> None:
     np.save(path, np.concatenate(docs)[:num_tokens].astype(np.int64))
 
 
-def train_config(tmp_path: Path, family: str, parallel: str):
+def train_config(tmp_path: Path, family: str, parallel: str, *overrides: str, run: str | None = None):
     """3 steps from tmp_path/<family> on tmp_path/tokens.npy, a global batch of GLOBAL_BATCH, clipping active."""
     dp = 1 if parallel == "single" else WORLD // compose_config([f"parallel={parallel}"]).parallel.cp_size
     return compose_config([
         *TINY[family], f"model.init_from={tmp_path / family}", f"parallel={parallel}", "data=tokens",
         f"data.path={tmp_path / 'tokens.npy'}", f"data.eos_id={EOS}", f"data.seq_len={SEQ}",
-        f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / f'{family}-{parallel}'}",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / f'{family}-{run or parallel}'}",
         f"train.steps={STEPS}", f"train.local_batch_size={GLOBAL_BATCH // dp}", "train.save_final=false",
         "optim.warmup_steps=0", "optim.lr=1e-2", "optim.grad_clip=0.5", "logging.tensorboard=false",
-        "train.device=cpu", "train.mixed_precision=fp32"])
+        "train.device=cpu", "train.mixed_precision=fp32", *overrides])
 
 
 def model_args(family: str):
@@ -128,12 +130,15 @@ def runs(tmp_path_factory):
         weights[family] = {k: v.clone() for k, v in model.state_dict().items()}
     reference = {family: train.run(train_config(tmp_path, family, "single")) for family in TINY}
     cfgs = {f"{family}-{preset}": train_config(tmp_path, family, preset) for family in TINY for preset in PRESETS}
+    cfgs.update({f"qwen3_5_moe-{name}": train_config(tmp_path, "qwen3_5_moe", preset,
+                                                     f"parallel.activation_checkpoint={mode}", run=name)
+                 for name, (preset, mode) in AC_VARIANTS.items()})
     histories, logits = run_distributed(worker, WORLD, cfgs, weights, timeout_s=600)
     return reference, histories, logits, weights
 
 
-@pytest.mark.parametrize("family", list(TINY))
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("family, preset", [(f, p) for f in TINY for p in PRESETS]
+                         + [("qwen3_5_moe", name) for name in AC_VARIANTS])
 def test_cp_preset_trains_like_one_process(runs, family, preset):
     reference, histories, *_ = runs
     got, want = histories[f"{family}-{preset}"], reference[family]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.data import IGNORE_INDEX, DataConfig, build_data_loader, validate_data_config
+from training.data import IGNORE_INDEX, DataConfig, build_data_loader, context_shard, validate_data_config
 from training.tokenizer import QwenTokenizer
 
 CHITCHAT_JSON = Path(str(importlib.resources.files("chitchat_dataset") / "dataset.json"))
@@ -210,6 +210,50 @@ def test_tokens_npy_and_bin(tmp_path: Path) -> None:
         assert torch.equal(x["position_ids"], torch.arange(9).expand(3, 9))
 
 
+# ---------------------------------------------------------------- packed documents
+
+
+def _restarting_positions(input_ids: list[int], eos_id: int) -> list[int]:
+    positions, p = [], 0
+    for i, token in enumerate(input_ids):
+        p = 0 if i == 0 or input_ids[i - 1] == eos_id else p + 1
+        positions.append(p)
+    return positions
+
+
+def test_tokens_position_ids_restart_after_each_eos(tmp_path: Path) -> None:
+    cfg = DataConfig(**{**vars(_write_tokens(tmp_path, n=1000)), "eos_id": 7})
+    np.save(cfg.path, np.arange(1000) % 13)  # documents ..., 7 | 8, ..., 12, 0, ..., 7 | ...: 13 tokens each
+    restarts = 0
+    loader = _loader(cfg, batch=4)
+    for _ in range(10):
+        x = next(loader)
+        for row, positions in zip(x["input_ids"].tolist(), x["position_ids"].tolist()):
+            assert positions == _restarting_positions(row, eos_id=7)
+            restarts += positions.count(0) - 1
+    assert restarts > 0
+    unmasked = _loader(DataConfig(**{**vars(cfg), "document_mask": False}), batch=4)
+    assert torch.equal(next(unmasked)["position_ids"], torch.arange(9).expand(4, 9))
+
+
+def test_chat_documents_restart_after_endoftext(tmp_path: Path) -> None:
+    tok = QwenTokenizer()
+    _write_jsonl(tmp_path / "d.jsonl", [{"text": f"Short document {i}."} for i in range(40)])
+    cfg = DataConfig(name="jsonl", path=str(tmp_path / "d.jsonl"), seq_len=16, cache_dir=str(tmp_path))
+    x = next(_loader(cfg, batch=4))
+    for row, positions in zip(x["input_ids"].tolist(), x["position_ids"].tolist()):
+        assert positions == _restarting_positions(row, eos_id=tok.eos_id) and positions.count(0) > 1
+
+
+def test_context_shard_splits_every_sequence_into_contiguous_parts(tmp_path: Path) -> None:
+    batch = next(_loader(DataConfig(**{**vars(_write_tokens(tmp_path, n=1000)), "seq_len": 8}), batch=3))
+    assert context_shard(batch, 0, 1) is batch
+    shards = [context_shard(batch, r, 4) for r in range(4)]
+    for key, x in batch.items():
+        assert all(s[key].shape == (3, 2) and s[key].is_contiguous() for s in shards)
+        assert torch.equal(torch.cat([s[key] for s in shards], dim=1), x)
+
+
 # ---------------------------------------------------------------- order, dp slicing, resume
 
 
@@ -266,6 +310,10 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         validate_data_config(DataConfig(name="jsonl", path=str(tmp_path / "nope.jsonl")))
     with pytest.raises(ValueError, match="data.mask_non_assistant"):
         validate_data_config(DataConfig(name="tokens", path="x.npy", mask_non_assistant=True))
+    with pytest.raises(ValueError, match="data.eos_id=5 .* for data.name=tokens only"):
+        validate_data_config(DataConfig(name="jsonl", path="x.jsonl", eos_id=5))
+    with pytest.raises(ValueError, match="data.eos_id=-1 must be a token id"):
+        validate_data_config(DataConfig(name="tokens", path="x.npy", eos_id=-1))
     cfg = _write_tokens(tmp_path, n=50)  # 5 windows
     with pytest.raises(ValueError, match="too small.*data.seq_len"):
         _loader(cfg, batch=3, dp_size=2)

@@ -107,10 +107,3 @@ class GatedDeltaNet(nn.Module):
                          beta=beta_BTH.flatten(0, 1)[None], use_qk_l2norm_in_kernel=True,
                          cu_seqlens=document_cu_seqlens(doc_ids_BT))
         return o_1NHv.view(B, T, H, dv)
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """transformers' init of the decay parameters: dt_bias = 1, A = U(0.01, 16) (kept away from 0 so that
-        A_log stays finite). The linear and conv layers are initialised by the model."""
-        nn.init.ones_(self.dt_bias)
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())

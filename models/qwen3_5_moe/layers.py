@@ -31,14 +31,12 @@ class OffsetRMSNorm(RMSNorm):
     as transformers' Qwen3_5MoeRMSNorm (layer, final, q and k norms)."""
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"norm_fn": "offset_rms_norm"}
+    init_value: ClassVar[float] = 0.0
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps)
         self.norm_fn = offset_rms_norm
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.weight)
 
 
 class GatedRMSNorm(RMSNorm):

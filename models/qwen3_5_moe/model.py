@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from models.layers import RMSNorm, document_ids
+from models.init import ShardedInit, constant, normal
 from models.moe import GroupedExperts, RouterStats, TopKRouter
 from models.qwen3_5_moe.args import FULL_ATTENTION, Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
@@ -86,17 +87,19 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int = 0) -> None:
         """transformers' init: N(0, initializer_range) for matrices, convolutions and embeddings; (1 + w) norms 0,
-        the gated norm 1; DeltaNet's dt_bias 1 and A_log = log U(0.01, 16)."""
-        std = self.args.initializer_range
+        the gated norm 1; DeltaNet's dt_bias 1 and A_log = log U(0.01, 16) (kept away from 0 so that A_log stays
+        finite). The values depend on the seed and parameter names only, not on the parallel layout."""
+        init, std = ShardedInit(self, seed), normal(self.args.initializer_range)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, (RMSNorm, GatedDeltaNet)):
-                module.reset_parameters()
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, TopKRouter)):
+                init(module.weight, std)
+            elif isinstance(module, RMSNorm):
+                init(module.weight, constant(module.init_value))
+            elif isinstance(module, GatedDeltaNet):
+                init(module.dt_bias, constant(1.0))
+                init(module.A_log, lambda t, g: t.uniform_(0.01, 16, generator=g).log_())
             elif isinstance(module, GroupedExperts):
-                nn.init.normal_(module.gate_up_proj, std=std)
-                nn.init.normal_(module.down_proj, std=std)
-            elif isinstance(module, TopKRouter):
-                nn.init.normal_(module.weight, std=std)
+                init(module.gate_up_proj, std)
+                init(module.down_proj, std)

@@ -12,6 +12,7 @@ from typing import ClassVar, Mapping
 import torch
 import torch.nn as nn
 
+from models.init import ShardedInit, constant, normal
 from models.layers import RMSNorm, apply_rotary, causal_attention, document_ids, rotary_cos_sin
 from models.moe import GroupedExperts, RouterStats, SparseMoeBlock, TopKRouter
 from models.qwen3_moe.args import Qwen3MoeArgs
@@ -114,16 +115,15 @@ class Qwen3MoeForCausalLM(nn.Module):
         return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """transformers' init: N(0, initializer_range) for matrices and embeddings, ones for norms."""
-        std = self.args.initializer_range
+    def init_weights(self, seed: int = 0) -> None:
+        """transformers' init: N(0, initializer_range) for matrices and embeddings, ones for norms; the
+        values depend on the seed and parameter names only, not on the parallel layout."""
+        init, std = ShardedInit(self, seed), normal(self.args.initializer_range)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
+            if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
+                init(module.weight, std)
             elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+                init(module.weight, constant(module.init_value))
             elif isinstance(module, GroupedExperts):
-                nn.init.normal_(module.gate_up_proj, std=std)
-                nn.init.normal_(module.down_proj, std=std)
-            elif isinstance(module, TopKRouter):
-                nn.init.normal_(module.weight, std=std)
+                init(module.gate_up_proj, std)
+                init(module.down_proj, std)

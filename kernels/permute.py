@@ -1,0 +1,93 @@
+"""Token permute / unpermute for MoE dispatch as gathers whose backward is a gather too.
+
+Autograd's default for ``x[index]`` is ``index_put_(accumulate=True)``, which sorts the index on CUDA, needs
+a zero-filled buffer and adds with atomics (non-deterministic). Every map here is a permutation or a
+K-to-one gather whose inverse is known, so forward and backward are plain ``index_select``s plus a reduction
+over K: deterministic, no zero fill, no atomics, no sort. The unpermute applies the router weights and sums
+over K in one ``bmm`` and does not keep the weighted [M, D] product for backward, as ``out * w`` would.
+
+Letters: N tokens, K top-k, M = N*K routed rows in expert order, D hidden.
+``order_M``: flat (token, k) slot of each expert-ordered row (a stable argsort of the expert ids);
+``inv_M``: its inverse (row of each flat slot); ``token_M = order_M // K``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i`` (no host sync, no sort)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``."""
+
+    @staticmethod
+    def forward(ctx, x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv_R)
+        return x_RD.index_select(0, perm_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        (inv_R,) = ctx.saved_tensors
+        return grad_RD.index_select(0, inv_R), None, None
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """x_ND -> x_MD = x_ND[token_M]: each token copied to its K expert-ordered rows."""
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, token_M: torch.Tensor, inv_M: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inv_M)
+        N = x_ND.shape[0]
+        ctx.NK = (N, token_M.numel() // N if N else 0)
+        return x_ND.index_select(0, token_M)
+
+    @staticmethod
+    def backward(ctx, grad_MD: torch.Tensor):
+        (inv_M,) = ctx.saved_tensors
+        # The K rows of token n sit at inv_M[n*K : (n+1)*K]; .sum accumulates in fp32 even for bf16.
+        grad_NKD = grad_MD.index_select(0, inv_M).view(*ctx.NK, grad_MD.shape[-1])
+        return grad_NKD.sum(1), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """y_ND[n] = sum_k w[n, k] * y_MD[inv_M[n*K + k]], in y's dtype (as ``models.moe.combine``)."""
+
+    @staticmethod
+    def forward(ctx, y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tensor,
+                inv_M: torch.Tensor) -> torch.Tensor:
+        N, K = weights_NK.shape
+        ctx.save_for_backward(y_MD, weights_NK, order_M, inv_M)
+        y_NKD = y_MD.index_select(0, inv_M).view(N, K, y_MD.shape[-1])  # transient: freed after the bmm
+        return torch.bmm(weights_NK.to(y_MD.dtype).unsqueeze(1), y_NKD).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_ND: torch.Tensor):
+        y_MD, weights_NK, order_M, inv_M = ctx.saved_tensors
+        token_M = order_M.div(weights_NK.shape[1], rounding_mode="floor")
+        grad_MD = grad_ND.contiguous().index_select(0, token_M)  # the one [M, D] buffer of the backward
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            # <y_m, grad_token(m)> per row as a batched dot: no [M, D] product is materialised.
+            dot_M = torch.bmm(grad_MD.unsqueeze(1), y_MD.unsqueeze(2)).view(-1)
+            grad_w = dot_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
+        grad_y = None
+        if ctx.needs_input_grad[0]:
+            w_M = weights_NK.reshape(-1).index_select(0, order_M).to(grad_MD.dtype)
+            grad_y = grad_MD.mul_(w_M.unsqueeze(1))
+        return grad_y, grad_w, None, None
+
+
+def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor) -> torch.Tensor:
+    return _PermuteRows.apply(x_RD, perm_R, inv_R)
+
+
+def permute_tokens(x_ND: torch.Tensor, token_M: torch.Tensor, inv_M: torch.Tensor) -> torch.Tensor:
+    return _PermuteTokens.apply(x_ND, token_M, inv_M)
+
+
+def unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tensor, inv_M: torch.Tensor) -> torch.Tensor:
+    return _Unpermute.apply(y_MD, weights_NK, order_M, inv_M)

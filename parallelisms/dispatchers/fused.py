@@ -1,0 +1,34 @@
+"""``fused``: eager's all-to-alls around fused local ops (``local_ops``).
+
+Per layer: permute the routed rows into expert order (one gather), exchange counts (the one host sync),
+all-to-all, sort the arrivals by local expert (one gather), grouped GEMM over the local experts, unsort,
+all-to-all back, unpermute with the router weights applied in the same ``bmm`` that sums over k. Every map is
+a gather whose backward is a gather by the inverse map (``kernels.permute``): none of eager's sort-based
+``index_put_(accumulate=True)`` backwards, zero-filled buffers or atomic adds, and no weighted [M, D] product
+kept for backward. On NPU the same steps run torch_npu's fused permute / unpermute / grouped matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from models.moe import GroupedExperts
+from parallelisms.dispatchers.common import EPDispatcher, exchange_counts, group_device_type, local_experts
+from parallelisms.dispatchers.local_ops import local_ops, run_local_experts
+
+
+class FusedDispatcher(EPDispatcher):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
+        super().__init__(group, num_experts)
+        self.ops = local_ops(device_type or group_device_type(group))
+
+    def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, experts_NK: torch.Tensor,
+                 weights_NK: torch.Tensor) -> torch.Tensor:
+        x_MD, send_counts_E, state = self.ops.permute(x_ND, experts_NK, self.num_experts)
+        (splits,) = exchange_counts(send_counts_E[None], self.group, self.num_local)
+        x_RD = all_to_all_single_autograd(x_MD, splits.recv, splits.send, self.group)
+        y_RD = run_local_experts(self.ops, local_experts(experts), x_RD, splits)
+        y_MD = all_to_all_single_autograd(y_RD, splits.send, splits.recv, self.group)
+        return self.ops.unpermute(y_MD, weights_NK, state)

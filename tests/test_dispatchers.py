@@ -1,0 +1,297 @@
+"""The fused, domino and mc2 EP dispatchers against the single-rank LocalDispatcher, and end to end against eager.
+
+Dispatch level (as tests/test_dispatch.py, whose routing cases it reuses): outputs, input and router-weight
+gradients, and expert gradients (summed over the ep group) on 2 and 4 gloo ranks, with experts that get no
+token, a rank with no token at all, a rank receiving nothing, odd token counts (domino splits 7 tokens into
+4 + 3) and a single token (3 + 0 + ... halves of 1 and 0). The NPU paths run with a fake ``torch_npu`` whose
+ops follow the torch_npu docs in plain torch (so this checks our glue: count directions, weight layouts,
+the backward pairing of the MC2 ops; the real kernels need an Ascend machine).
+End to end: the debug model, 3 steps under ep2, dispatcher=fused / domino (also under selective activation
+checkpointing) log the loss and grad norm of dispatcher=eager. fp32; tolerances cover summation order only.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import train
+from models.moe import GroupedExperts
+from parallelisms.dispatchers import DominoDispatcher, FusedDispatcher, Mc2Dispatcher, dispatcher_class
+from parallelisms.dispatchers import local_ops as local_ops_module
+from parallelisms.dispatchers import mc2, npu
+from parallelisms.dispatchers.common import Splits, group_device_type
+from parallelisms.expert_parallel import apply_expert_parallel
+from tests.dist_utils import run_distributed
+from tests.test_dispatch import CASES, D, E, I, K, _routing
+from tests.test_parallel_train import train_config, write_inputs
+
+ROUTINGS = [*CASES, "one_token"]
+E2E_RUNS = {"fused": ["dispatcher=fused"], "domino": ["dispatcher=domino"],
+            "domino_selective_ac": ["dispatcher=domino", "parallel.activation_checkpoint=selective"]}
+
+
+# ----------------------------------------------------------------------------- a fake torch_npu (plain torch)
+
+def fake_torch_npu(groups: dict[str, dist.ProcessGroup] | None = None) -> types.ModuleType:
+    """torch_npu's MoE ops as documented, in plain torch; ``calls`` counts them. MC2 ops find their group by
+    the name ``npu.hccl_comm_name`` returns (patched to the group name)."""
+    m = types.ModuleType("torch_npu")
+    m.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    m.calls = {}
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            m.calls[fn.__name__] = m.calls.get(fn.__name__, 0) + 1
+            return fn(*args, **kwargs)
+        setattr(m, fn.__name__, wrapper)
+        return fn
+
+    @counted
+    def npu_moe_token_permute(tokens, indices):
+        order = torch.argsort(indices.flatten(), stable=True)
+        return tokens[order // indices.shape[1]], torch.argsort(order).to(torch.int32)
+
+    @counted
+    def npu_moe_token_unpermute(permuted, sorted_indices, probs):
+        rows = permuted[sorted_indices.long()].view(*probs.shape, permuted.shape[-1])
+        return (rows * probs.unsqueeze(-1)).sum(1)
+
+    @counted
+    def npu_swiglu(x, dim=-1):
+        gate, up = x.chunk(2, dim=dim)
+        return F.silu(gate) * up
+
+    def gmm(x_MK, w_GKN, counts):  # group_type 0: rows of x grouped
+        return torch.cat([c @ w_GKN[g] for g, c in enumerate(x_MK.split(counts))] or [x_MK.new_zeros(0, w_GKN.shape[2])])
+
+    @counted
+    def npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_list_type):
+        assert group_list_type == 1 and split_item in (2, 3) and len(x) == len(weight) == 1
+        counts = group_list.tolist()
+        if group_type == 0:
+            return [gmm(x[0], weight[0], counts)]
+        assert group_type == 2  # the contraction dim grouped: x [K, M], weight [M, N] -> [G, K, N]
+        return [torch.stack([a @ b for a, b in zip(x[0].split(counts, dim=1), weight[0].split(counts))])]
+
+    def a2a(x, send, recv, group):
+        out = x.new_empty(sum(recv), x.shape[1])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    def layout(counts, ep):  # counts per (rank, local expert) -> per rank, per local expert, row order maps
+        P, L = ep, len(counts) // ep
+        c = torch.tensor(counts).view(P, L)
+        expert = torch.arange(L).repeat(P).repeat_interleave(c.flatten())
+        return c.sum(1).tolist(), c.sum(0).tolist(), torch.argsort(expert, stable=True)
+
+    @counted
+    def npu_alltoallv_gmm(gmm_x, gmm_weight, hcom, ep_world_size, send_counts, recv_counts, *,
+                          trans_gmm_weight=False, permute_out_flag=False):
+        send, _, _ = layout(send_counts, ep_world_size)
+        recv, counts_L, by_expert = layout(recv_counts, ep_world_size)
+        permuted = a2a(gmm_x, send, recv, groups[hcom])[by_expert]
+        w = gmm_weight.transpose(1, 2) if trans_gmm_weight else gmm_weight
+        return gmm(permuted, w, counts_L), None, permuted if permute_out_flag else None
+
+    @counted
+    def npu_gmm_alltoallv(gmm_x, gmm_weight, hcom, ep_world_size, send_counts, recv_counts, *,
+                          trans_gmm_weight=False):
+        send, counts_L, by_expert = layout(send_counts, ep_world_size)
+        recv, _, _ = layout(recv_counts, ep_world_size)
+        y = gmm(gmm_x, gmm_weight.transpose(1, 2) if trans_gmm_weight else gmm_weight, counts_L)
+        return a2a(torch.empty_like(y).index_copy(0, by_expert, y), send, recv, groups[hcom]), None
+
+    return m
+
+
+def _install_fake_npu(groups: dict[str, dist.ProcessGroup] | None = None) -> types.ModuleType:
+    fake = fake_torch_npu(groups)
+    sys.modules["torch_npu"] = fake
+    npu.hccl_comm_name = lambda group: group.group_name
+    mc2.MC2_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the fake runs the fp32 reference
+    return fake
+
+
+# ----------------------------------------------------------------------------- dispatch-level comparisons
+
+def _experts_NK(case: str, ep_rank: int, ep: int, seed: int) -> torch.Tensor:
+    if case == "one_token":
+        return _routing("random", ep_rank, ep, seed)[:1]
+    return _routing(case, ep_rank, ep, seed)
+
+
+def _errors(reference: GroupedExperts, sharded: GroupedExperts, ep_mesh, rank: int, case: str) -> dict:
+    """max |EP - local| of the output and every gradient (expert gradients summed over the ep group)."""
+    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    experts_NK = _experts_NK(case, ep_rank, ep, seed=rank)
+    g = torch.Generator().manual_seed(100 + rank)
+    x_ND, weights_NK = torch.randn(len(experts_NK), D, generator=g), torch.rand(len(experts_NK), K, generator=g)
+    probe_ND = torch.randn(len(experts_NK), D, generator=g)
+    runs = []
+    for module in (reference, sharded):
+        module.zero_grad()
+        x, w = x_ND.clone().requires_grad_(), weights_NK.clone().requires_grad_()
+        y = module(x, experts_NK, w)
+        (y * probe_ND).sum().backward()
+        runs.append((y.detach(), x.grad, w.grad, [torch.zeros_like(p) if p.grad is None else p.grad
+                                                  for p in module.parameters()]))
+    (y_ref, gx_ref, gw_ref, gp_ref), (y, gx, gw, gp) = runs
+    for grad in gp_ref:
+        dist.all_reduce(grad, group=ep_mesh.get_group())
+    local = slice(ep_rank * (E // ep), (ep_rank + 1) * (E // ep))
+    pairs = {"y": (y, y_ref), "x.grad": (gx, gx_ref), "weights.grad": (gw, gw_ref),
+             **{f"param{i}.grad": (a.to_local(), b[local]) for i, (a, b) in enumerate(zip(gp, gp_ref))}}
+    return {k: (a.shape == b.shape, float((a - b).abs().max()) if a.numel() else 0.0) for k, (a, b) in pairs.items()}
+
+
+def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: list[int]) -> dict:
+    """{(dispatcher, ep, case, rank): errors}, gathered from every rank. Names ending in _npu run on the fake
+    torch_npu (device_type='npu' on gloo)."""
+    torch.manual_seed(0)
+    reference = GroupedExperts(E, D, I)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    errors = {}
+    for ep in eps:
+        ep_mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("rest", "ep"))["ep"]
+        for name in dispatchers:
+            sharded = copy.deepcopy(reference)
+            apply_expert_parallel(sharded, ep_mesh, "eager" if name.endswith("_npu") else name)
+            if name.endswith("_npu"):
+                sharded.dispatcher = dispatcher_class(name.removesuffix("_npu"))(ep_mesh.get_group(), E,
+                                                                                  device_type="npu")
+            for case in ROUTINGS:
+                errors[(name, ep, case, rank)] = _errors(reference, sharded, ep_mesh, rank, case)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, errors)
+    return {key: value for part in gathered for key, value in part.items()}
+
+
+def _two_rank_worker(rank: int, world_size: int, cfgs: dict) -> dict:
+    """Everything that needs 2 ranks, in one spawn: mc2's refusal on gloo, the NPU paths on the fake
+    torch_npu, and the end-to-end runs."""
+    ep_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    result = {"device_type": group_device_type(ep_mesh.get_group())}
+    try:
+        apply_expert_parallel(GroupedExperts(E, D, I), ep_mesh, "mc2")
+        result["mc2_on_cpu"] = "no error"
+    except RuntimeError as error:
+        result["mc2_on_cpu"] = str(error)
+    fake = _install_fake_npu({ep_mesh.get_group().group_name: ep_mesh.get_group()})
+    try:  # torch_npu present, but the group is gloo: still no
+        Mc2Dispatcher(ep_mesh.get_group(), E)
+        result["mc2_on_cpu_with_torch_npu"] = "no error"
+    except RuntimeError as error:
+        result["mc2_on_cpu_with_torch_npu"] = str(error)
+    result["dispatch"] = _dispatch_errors(rank, world_size, ["fused_npu", "domino_npu", "mc2_npu"], [2])
+    result["npu_calls"] = dict(fake.calls)
+    del sys.modules["torch_npu"]
+    result["train"] = {name: train.run(cfg) for name, cfg in cfgs.items()}
+    return result
+
+
+def _four_rank_worker(rank: int, world_size: int) -> dict:
+    return _dispatch_errors(rank, world_size, ["fused", "domino"], [4, 2])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("dispatchers")
+    eager = train_config(tmp_path, "ep2", 2, "dispatcher=eager", run="eager")
+    write_inputs(tmp_path, dict(eager.model.arch))
+    cfgs = {"eager": eager, **{name: train_config(tmp_path, "ep2", 2, *o, run=name) for name, o in E2E_RUNS.items()}}
+    return run_distributed(_two_rank_worker, 2, cfgs)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_four_rank_worker, 4)
+
+
+def _check(errors: dict, name: str, ep: int, case: str, world: int) -> None:
+    for rank in range(world):
+        for what, (same_shape, max_err) in errors[(name, ep, case, rank)].items():
+            assert same_shape, f"{name} rank {rank}: {what} shape"
+            assert max_err < 1e-5, f"{name} rank {rank}: {what} differs by {max_err}"
+
+
+@pytest.mark.parametrize("ep", [4, 2])
+@pytest.mark.parametrize("case", ROUTINGS)
+@pytest.mark.parametrize("name", ["fused", "domino"])
+def test_dispatcher_matches_local_dispatch_on_4_ranks(four_ranks, name, ep, case):
+    _check(four_ranks, name, ep, case, 4)
+
+
+@pytest.mark.parametrize("case", ROUTINGS)
+@pytest.mark.parametrize("name", ["fused_npu", "domino_npu", "mc2_npu"])
+def test_npu_paths_match_local_dispatch_on_fake_torch_npu(two_ranks, name, case):
+    _check(two_ranks["dispatch"], name, 2, case, 2)
+
+
+def test_npu_paths_call_the_torch_npu_ops(two_ranks):
+    calls = two_ranks["npu_calls"]
+    for op in ("npu_moe_token_permute", "npu_moe_token_unpermute", "npu_grouped_matmul", "npu_swiglu",
+               "npu_alltoallv_gmm", "npu_gmm_alltoallv"):
+        assert calls.get(op, 0) > 0, op
+
+
+def test_mc2_refuses_to_build_off_npu(two_ranks):
+    assert two_ranks["device_type"] == "cpu"
+    assert two_ranks["mc2_on_cpu"] == two_ranks["mc2_on_cpu_with_torch_npu"] == mc2.NEEDS_NPU
+    assert "needs an Ascend NPU with torch_npu" in mc2.NEEDS_NPU
+
+
+@pytest.mark.parametrize("run", sorted(E2E_RUNS))
+def test_dispatcher_trains_like_eager(two_ranks, run):
+    eager, got = two_ranks["train"]["eager"], two_ranks["train"][run]
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for g, w in zip(got, eager):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), f"step {g['step']}"
+
+
+# ----------------------------------------------------------------------------- selection logic, no ranks
+
+def test_registry_builds_every_named_dispatcher():
+    assert dispatcher_class("fused") is FusedDispatcher
+    assert dispatcher_class("domino") is DominoDispatcher
+    assert dispatcher_class("mc2") is Mc2Dispatcher
+    with pytest.raises(ValueError, match=r"'deepep' is unknown; implemented: eager, fused, domino, mc2$"):
+        dispatcher_class("deepep")
+
+
+def test_local_ops_pick_torch_npu_only_on_npu(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(local_ops_module.importlib.util, "find_spec", lambda name: None)
+    assert type(local_ops_module.local_ops("cuda")) is local_ops_module.TorchOps
+    with pytest.raises(RuntimeError, match="torch_npu is not installed"):
+        local_ops_module.local_ops("npu")
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu())
+    assert type(local_ops_module.local_ops("cpu")) is local_ops_module.TorchOps
+    assert type(local_ops_module.local_ops("npu")) is local_ops_module.NpuOps
+
+
+@pytest.mark.parametrize("counts_L", [[3, 2, 4], [3, 0, 6]])
+def test_npu_compute_falls_back_to_torch_for_an_expert_without_rows(monkeypatch, counts_L):
+    fake = fake_torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, D, I)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    splits = Splits(send=[], recv=[], send_counts_E=[], recv_counts_PL=counts_L, counts_L=counts_L,
+                    recv_counts_dev_PL=torch.tensor([counts_L]))
+    x_RD = torch.randn(sum(counts_L), D)
+    got = local_ops_module.NpuOps().compute(experts, x_RD, splits)
+    torch.testing.assert_close(got, experts.compute(x_RD, torch.tensor(counts_L)))
+    assert fake.calls.get("npu_grouped_matmul", 0) == (0 if 0 in counts_L else 2)
