@@ -150,8 +150,8 @@ def cluster_up(env: dict[str, str]) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, str]]:
-    """The environment for Slurm clients of the local cluster; started here (and stopped after) if needed."""
-    require("sbatch", "scontrol", "squeue", "sinfo", "scancel", "slurmctld", "slurmd", "munged")
+    """The environment for Slurm clients of the local cluster; started here (and stopped after) if needed.
+    As root, local_cluster.sh installs Debian's Slurm packages first when they are missing."""
     conf = Path(os.environ.get("SLURM_LOCAL_DIR", "/tmp/qmt-slurm")) / "slurm.conf"
     env = base_env(SLURM_CONF=str(conf))
     started = False
@@ -160,9 +160,10 @@ def cluster() -> Iterator[dict[str, str]]:
             pytest.fail(f"no local Slurm cluster answers at {conf}, and starting one needs root: {INSTALL_HINT}",
                         pytrace=False)
         done = subprocess.run([str(SLURM_DIR / "local_cluster.sh"), "start"], env=env, capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=600)
         assert done.returncode == 0, f"local_cluster.sh start failed:\n{done.stdout}{done.stderr}"
         started = True
+    require("sbatch", "scontrol", "squeue", "sinfo", "scancel", "slurmctld", "slurmd", "munged")
     yield env
     if started:
         subprocess.run([str(SLURM_DIR / "local_cluster.sh"), "stop"], env=env, timeout=120)

@@ -6,7 +6,7 @@
 # Everything lives in $SLURM_LOCAL_DIR (default /tmp/qmt-slurm): slurm.conf, its own munge key and socket,
 # state, logs. Nothing under /etc is touched, so a system Slurm or munge is left alone; clients find this
 # cluster through SLURM_CONF=$SLURM_LOCAL_DIR/slurm.conf (start prints the export line).
-# Needs Debian's slurmctld, slurmd, slurm-client and munge packages.
+# Needs Debian's slurmctld, slurmd, slurm-client and munge packages (start installs them with apt-get if missing).
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/tmp/qmt-slurm}
@@ -17,13 +17,22 @@ export SLURM_CONF=$CONF
 
 die() { echo "local_cluster.sh: $*" >&2; exit 1; }
 
-require_binaries() {
-  local missing=()
+missing_binaries() {
   for bin in munged slurmctld slurmd sinfo sbatch scontrol; do
-    command -v "$bin" >/dev/null || [[ -x /usr/sbin/$bin ]] || missing+=("$bin")
+    command -v "$bin" >/dev/null || [[ -x /usr/sbin/$bin ]] || echo "$bin"
   done
-  ((${#missing[@]} == 0)) || die "missing ${missing[*]}: apt-get install -y slurmctld slurmd slurm-client munge"
+}
+
+# Installs Debian's packages when they are missing (root only), so a fresh machine needs no extra step.
+require_binaries() {
   [[ $(id -u) == 0 ]] || die "run as root (the daemons run as root: SlurmUser=root)"
+  if [[ -n $(missing_binaries) ]] && command -v apt-get >/dev/null; then
+    echo "local_cluster.sh: installing slurmctld slurmd slurm-client munge" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge; } >/dev/null
+  fi
+  local missing
+  missing=$(missing_binaries | xargs)
+  [[ -z $missing ]] || die "missing $missing: apt-get install -y slurmctld slurmd slurm-client munge"
 }
 
 write_conf() {
