@@ -62,7 +62,11 @@ class _Unpermute(torch.autograd.Function):
         N, K = weights_NK.shape
         ctx.save_for_backward(y_MD, weights_NK, order_M, inv_M)
         y_NKD = y_MD.index_select(0, inv_M).view(N, K, y_MD.shape[-1])  # transient: freed after the bmm
-        return torch.bmm(weights_NK.to(y_MD.dtype).unsqueeze(1), y_NKD).squeeze(1)
+        # Written through a [N, 1, D] view of a fresh [N, D] tensor: the output is not a view itself, which
+        # FSDP2 warns about for module outputs (an in-place op on it would drop its pre-backward hook).
+        y_ND = y_MD.new_empty(N, y_MD.shape[-1])
+        torch.bmm(weights_NK.to(y_MD.dtype).unsqueeze(1), y_NKD, out=y_ND.unsqueeze(1))
+        return y_ND
 
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):

@@ -16,6 +16,7 @@ import copy
 import importlib.machinery
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ import train
 from models.moe import GroupedExperts
 from parallelisms.dispatchers import DominoDispatcher, FusedDispatcher, Mc2Dispatcher, dispatcher_class
 from parallelisms.dispatchers import local_ops as local_ops_module
-from parallelisms.dispatchers import mc2, npu
+from parallelisms.dispatchers import domino, mc2, npu
 from parallelisms.dispatchers.common import Splits, group_device_type
 from parallelisms.expert_parallel import apply_expert_parallel
 from tests.dist_utils import run_distributed
@@ -176,11 +177,43 @@ def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: li
     return {key: value for part in gathered for key, value in part.items()}
 
 
+def _domino_schedule(ep_mesh) -> list[str]:
+    """The order in which domino's backward sends gradients back and waits for them."""
+    events, labels = [], iter(["dispatch 0", "dispatch 1", "combine 0", "combine 1"])  # forward creation order
+
+    class Recorded:  # stands in for domino._Backward
+        def __init__(self) -> None:
+            self.label, self._grad = next(labels), None
+
+        @property
+        def grad(self):
+            return self._grad
+
+        @grad.setter
+        def grad(self, value) -> None:
+            events.append(f"{'send' if value is not None else 'wait'} {self.label}")
+            self._grad = value
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(E, D, I)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    apply_expert_parallel(experts, ep_mesh, "domino")
+    original, domino._Backward = domino._Backward, Recorded
+    try:
+        experts_NK = _experts_NK("random", ep_mesh.get_local_rank(), 2, seed=0)
+        x_ND = torch.randn(len(experts_NK), D, requires_grad=True)
+        experts(x_ND, experts_NK, torch.rand(len(experts_NK), K)).sum().backward()
+    finally:
+        domino._Backward = original
+    return events
+
+
 def _two_rank_worker(rank: int, world_size: int, cfgs: dict) -> dict:
-    """Everything that needs 2 ranks, in one spawn: mc2's refusal on gloo, the NPU paths on the fake
-    torch_npu, and the end-to-end runs."""
+    """Everything that needs 2 ranks, in one spawn: domino's backward schedule, mc2's refusal on gloo, the
+    NPU paths on the fake torch_npu, and the end-to-end runs."""
     ep_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-    result = {"device_type": group_device_type(ep_mesh.get_group())}
+    result = {"device_type": group_device_type(ep_mesh.get_group()), "domino_schedule": _domino_schedule(ep_mesh)}
     try:
         apply_expert_parallel(GroupedExperts(E, D, I), ep_mesh, "mc2")
         result["mc2_on_cpu"] = "no error"
@@ -244,6 +277,15 @@ def test_npu_paths_call_the_torch_npu_ops(two_ranks):
         assert calls.get(op, 0) > 0, op
 
 
+def test_domino_backward_overlaps_each_half_s_experts_with_the_other_half_s_all_to_all(two_ranks):
+    # Autograd runs ready nodes latest-created first; the forward's creation order makes backward send both
+    # combine gradients, run experts-1 backward while combine-0's is in flight (between "wait combine 1" and
+    # "wait combine 0"), send dispatch-1's, then run experts-0 backward while that one is in flight.
+    assert two_ranks["domino_schedule"] == [
+        "send combine 1", "send combine 0", "wait combine 1", "send dispatch 1", "wait combine 0",
+        "send dispatch 0", "wait dispatch 1", "wait dispatch 0"]
+
+
 def test_mc2_refuses_to_build_off_npu(two_ranks):
     assert two_ranks["device_type"] == "cpu"
     assert two_ranks["mc2_on_cpu"] == two_ranks["mc2_on_cpu_with_torch_npu"] == mc2.NEEDS_NPU
@@ -295,3 +337,41 @@ def test_npu_compute_falls_back_to_torch_for_an_expert_without_rows(monkeypatch,
     got = local_ops_module.NpuOps().compute(experts, x_RD, splits)
     torch.testing.assert_close(got, experts.compute(x_RD, torch.tensor(counts_L)))
     assert fake.calls.get("npu_grouped_matmul", 0) == (0 if 0 in counts_L else 2)
+
+
+# ----------------------------------------------------------------------------- GPU only: host syncs per layer
+
+def _sync_count_worker(rank: int, world_size: int) -> dict[str, int]:
+    """Host syncs in one forward + backward of a MoE layer's dispatch on CUDA (bf16, NCCL), after a warm-up."""
+    ep_mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("ep",))
+    counts = {}
+    for name in ("eager", "fused", "domino"):
+        torch.manual_seed(0)
+        experts = GroupedExperts(8, 64, 32).to("cuda", torch.bfloat16)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        apply_expert_parallel(experts, ep_mesh, name)
+        x_ND = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        weights_NK, experts_NK = torch.rand(256, 8, device="cuda").topk(2, dim=-1)
+
+        def step():
+            experts(x_ND, experts_NK, weights_NK.to(torch.bfloat16)).float().square().sum().backward()
+
+        step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[name] = sum("synchronizing" in str(w.message) for w in caught)
+    return counts
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fused_and_domino_sync_the_host_once_per_layer_on_gpu():
+    counts = run_distributed(_sync_count_worker, 2, backend="nccl")
+    # The one sync: all_to_all_single's split sizes as Python ints. (eager also pays torch.bincount's two.)
+    assert counts["fused"] == counts["domino"] == 1, counts

@@ -15,8 +15,15 @@ from typing import Any
 import torch
 
 from kernels.permute import inverse_permutation, permute_rows, permute_tokens, unpermute
-from models.moe import GroupedExperts, sort_by_expert
+from models.moe import GroupedExperts
 from parallelisms.dispatchers.common import Splits, expert_order
+
+
+def expert_counts(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed rows per expert [E]. Not ``torch.bincount``: on CUDA it reads the input's min and max back to
+    the host (two syncs per call); integer index_add is exact and stays on the device."""
+    flat_M = experts_NK.flatten()
+    return flat_M.new_zeros(num_experts).index_add_(0, flat_M, torch.ones_like(flat_M))
 
 
 class TorchOps:
@@ -25,9 +32,10 @@ class TorchOps:
     def permute(self, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """-> (x_MD in global-expert order, rows per global expert [E], state for ``unpermute``)."""
-        order_M, counts_E = sort_by_expert(experts_NK, num_experts)
+        order_M = torch.argsort(experts_NK.flatten(), stable=True)
         inv_M = inverse_permutation(order_M)
-        return permute_tokens(x_ND, order_M // experts_NK.shape[1], inv_M), counts_E, (order_M, inv_M)
+        x_MD = permute_tokens(x_ND, order_M // experts_NK.shape[1], inv_M)
+        return x_MD, expert_counts(experts_NK, num_experts), (order_M, inv_M)
 
     def unpermute(self, y_MD: torch.Tensor, weights_NK: torch.Tensor, state: Any) -> torch.Tensor:
         return unpermute(y_MD, weights_NK, *state)
@@ -49,7 +57,7 @@ class NpuOps(TorchOps):
     def permute(self, x_ND, experts_NK, num_experts):
         # Same row order as sort_by_expert (a stable sort by expert id); row_map inverts it.
         x_MD, row_map_M = self.torch_npu.npu_moe_token_permute(x_ND, experts_NK.to(torch.int32))
-        return x_MD, torch.bincount(experts_NK.flatten(), minlength=num_experts), row_map_M
+        return x_MD, expert_counts(experts_NK, num_experts), row_map_M
 
     def unpermute(self, y_MD, weights_NK, state):
         return self.torch_npu.npu_moe_token_unpermute(y_MD.to(weights_NK.dtype), state, probs=weights_NK)
