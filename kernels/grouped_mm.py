@@ -8,20 +8,34 @@ Letters: M routed rows, G groups (local experts), K in-features, N out-features.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 
 @functools.lru_cache(maxsize=None)
-def _native_supported(device_type: str, dtype: torch.dtype) -> bool:
+def _native_supported(dev: torch.device, dtype: torch.dtype) -> bool:
+    """Probe the three products forward and backward need (y = x w, dx = dy w^T, dw = x^T dy) with tiny
+    tensors. In a thread of its own: the first call can come inside a checkpointed forward, whose dispatch
+    modes and autograd state (thread-local) must not see the probe's ops."""
+    result: list[bool] = []
+    probe = threading.Thread(target=lambda: result.append(_probe(dev, dtype)))
+    probe.start()
+    probe.join()
+    return result[0]
+
+
+@torch.no_grad()
+def _probe(dev: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        x_MK = torch.randn(4, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w_GKN = torch.randn(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs_G = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
+    try:  # an explicit device index: the current device is per thread
+        x_MK = torch.randn(4, 16, device=dev, dtype=dtype)
+        w_GKN = torch.randn(2, 16, 16, device=dev, dtype=dtype)
+        offs_G = torch.tensor([1, 4], device=dev, dtype=torch.int32)
         y_MN = torch._grouped_mm(x_MK, w_GKN, offs=offs_G)
-        y_MN.backward(torch.ones_like(y_MN))
+        torch._grouped_mm(y_MN, w_GKN.transpose(-2, -1), offs=offs_G)
+        torch._grouped_mm(x_MK.t(), y_MN, offs=offs_G)
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -37,7 +51,7 @@ def native_grouped_mm_ok(x_MK: torch.Tensor, w_GKN: torch.Tensor) -> bool:
     return (
         x_MK.dtype == w_GKN.dtype
         and _aligned(w_GKN.shape[1], w_GKN.shape[2], dtype=w_GKN.dtype)
-        and _native_supported(x_MK.device.type, x_MK.dtype)
+        and _native_supported(x_MK.device, x_MK.dtype)
     )
 
 

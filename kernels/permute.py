@@ -4,7 +4,9 @@ Autograd's default for ``x[index]`` is ``index_put_(accumulate=True)``, which so
 a zero-filled buffer and adds with atomics (non-deterministic). Every map here is a permutation or a
 K-to-one gather whose inverse is known, so forward and backward are plain ``index_select``s plus a reduction
 over K: deterministic, no zero fill, no atomics, no sort. The unpermute applies the router weights and sums
-over K in one ``bmm`` and does not keep the weighted [M, D] product for backward, as ``out * w`` would.
+over K in one ``bmm`` and does not keep the weighted [M, D] product for backward, as ``out * w`` would. The
+K-to-one gathers run in token chunks, so their transient gathered rows stay within [N, D] (what eager's
+zero-filled buffer costs), not [M, D] (512 MiB per layer at the Qwen3-30B-A3B shapes).
 
 Letters: N tokens, K top-k, M = N*K routed rows in expert order, D hidden.
 ``order_M``: flat (token, k) slot of each expert-ordered row (a stable argsort of the expert ids);
@@ -19,6 +21,24 @@ import torch
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     """``inv`` with ``inv[perm[i]] = i`` (no host sync, no sort)."""
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+
+
+def _gather_sum(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
+                weights_NK: torch.Tensor | None = None) -> torch.Tensor:
+    """out[n] = sum_k w[n, k] * src[inv_M[n*K + k]] (w = 1 without weights), accumulated in fp32 by the
+    reduction, in K chunks of tokens: K launches instead of one, a gathered transient of [N, D] instead of
+    [M, D]. TODO: a Triton kernel would read each row once and skip the transient."""
+    D = src_MD.shape[-1]
+    out_ND = src_MD.new_empty(N, D)
+    chunk = max(1, -(-N // K)) if K else 1
+    for n0 in range(0, N, chunk):
+        n1 = min(N, n0 + chunk)
+        rows_CKD = src_MD.index_select(0, inv_M[n0 * K:n1 * K]).view(n1 - n0, K, D)
+        if weights_NK is None:
+            torch.sum(rows_CKD, dim=1, out=out_ND[n0:n1])
+        else:  # written through a [C, 1, D] view: the output is a fresh tensor, not a view
+            torch.bmm(weights_NK[n0:n1].to(src_MD.dtype).unsqueeze(1), rows_CKD, out=out_ND[n0:n1].unsqueeze(1))
+    return out_ND
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -48,9 +68,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_MD: torch.Tensor):
         (inv_M,) = ctx.saved_tensors
-        # The K rows of token n sit at inv_M[n*K : (n+1)*K]; .sum accumulates in fp32 even for bf16.
-        grad_NKD = grad_MD.index_select(0, inv_M).view(*ctx.NK, grad_MD.shape[-1])
-        return grad_NKD.sum(1), None, None
+        return _gather_sum(grad_MD, inv_M, *ctx.NK), None, None  # the K rows of token n: inv_M[n*K:(n+1)*K]
 
 
 class _Unpermute(torch.autograd.Function):
@@ -61,12 +79,9 @@ class _Unpermute(torch.autograd.Function):
                 inv_M: torch.Tensor) -> torch.Tensor:
         N, K = weights_NK.shape
         ctx.save_for_backward(y_MD, weights_NK, order_M, inv_M)
-        y_NKD = y_MD.index_select(0, inv_M).view(N, K, y_MD.shape[-1])  # transient: freed after the bmm
-        # Written through a [N, 1, D] view of a fresh [N, D] tensor: the output is not a view itself, which
-        # FSDP2 warns about for module outputs (an in-place op on it would drop its pre-backward hook).
-        y_ND = y_MD.new_empty(N, y_MD.shape[-1])
-        torch.bmm(weights_NK.to(y_MD.dtype).unsqueeze(1), y_NKD, out=y_ND.unsqueeze(1))
-        return y_ND
+        # A fresh tensor, not a view (FSDP2 warns about module outputs that are views: an in-place op on one
+        # would drop its pre-backward hook).
+        return _gather_sum(y_MD, inv_M, N, K, weights_NK)
 
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):

@@ -16,8 +16,9 @@ from tests.conftest import CONF_DIR, compose_config
 from training.config import register_schema
 
 PRESETS = sorted(p.stem for p in Path(CONF_DIR, "parallel").glob("*.yaml"))
-# The world size each preset is meant for; cp2_ep4_efsdp2 waits for context parallelism.
+# The world size each preset is meant for (8 unless listed).
 WORLD = {"single": 1, "ep16": 16, "cp2_ep4_efsdp2": 16}
+HEADS = {"num_attention_heads": 32, "num_key_value_heads": 4}  # Qwen3-30B-A3B: what context parallelism checks
 
 
 def _cfg(**kwargs) -> ParallelConfig:
@@ -27,7 +28,7 @@ def _cfg(**kwargs) -> ParallelConfig:
 
 def test_every_preset_is_there_and_documented_in_one_line():
     assert set(PRESETS) == {"single", "ddp", "fsdp2", "hsdp", "ep2", "ep4", "ep8", "ep16", "ep4_efsdp2", "ep2_edp2",
-                            "cp2_ep4_efsdp2"}
+                            "cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2", "cp2_ep4_efsdp2"}
     for preset in PRESETS:
         lines = Path(CONF_DIR, "parallel", f"{preset}.yaml").read_text().splitlines()
         assert lines[0].startswith("# ") and not lines[1].startswith("#"), preset
@@ -38,25 +39,21 @@ def test_every_preset_is_there_and_documented_in_one_line():
 def test_preset_composes_and_validates_at_its_world_size(preset):
     cfg = compose_config([f"parallel={preset}"]).parallel
     assert cfg.name == preset and cfg.backend.ep_dispatcher == "eager"  # ${dispatcher.name}, resolved
-    world = WORLD.get(preset, 8)
-    if preset.startswith("cp2"):
-        with pytest.raises(NotImplementedError, match=r"parallel.cp_size=2: context parallelism is not yet supported"):
-            validate_parallel_config(cfg, world, 128)
-        return
-    validate_parallel_config(cfg, world, 128)
+    validate_parallel_config(cfg, WORLD.get(preset, 8), 128, arch=HEADS, seq_len=4096)
 
 
 def test_exactly_the_parity_tested_presets_fit_8_ranks():
+    from tests.test_context_parallel import PRESETS as CP_PRESETS
     from tests.test_parallel_parity import FITTING_PRESETS
 
     fitting = []
     for preset in PRESETS:
         try:
-            validate_parallel_config(compose_config([f"parallel={preset}"]).parallel, 8, 8)
+            validate_parallel_config(compose_config([f"parallel={preset}"]).parallel, 8, 8, arch=HEADS, seq_len=64)
             fitting.append(preset)
-        except (ValueError, NotImplementedError):  # single (one process), ep16 (16 ranks), cp2_* (no CP yet)
+        except (ValueError, NotImplementedError):  # single (one process), ep16 and cp2_ep4_efsdp2 (16 ranks)
             pass
-    assert sorted(fitting) == sorted(FITTING_PRESETS)
+    assert sorted(fitting) == sorted(FITTING_PRESETS + CP_PRESETS)
 
 
 def test_expert_layout_of_the_presets_on_8_and_16_ranks():
@@ -66,6 +63,10 @@ def test_expert_layout_of_the_presets_on_8_and_16_ranks():
                       "ep4_efsdp2": (1, 2, 4, 1), "ep2_edp2": (2, 2, 2, 1)}
     assert resolve_sizes(compose_config(["parallel=ep4_efsdp2"]).parallel, 16).expert_mesh_shape == (2, 2, 4, 1)
     assert resolve_sizes(compose_config(["parallel=cp2_ep4_efsdp2"]).parallel, 16).expert_mesh_shape == (1, 2, 4, 2)
+    cp_shapes = {p: resolve_sizes(compose_config([f"parallel={p}"]).parallel, 8).expert_mesh_shape
+                 for p in ("cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2")}
+    assert cp_shapes == {"cp2": (1, 4, 1, 2), "cp4": (1, 2, 1, 4), "cp2_ep2_efsdp2": (1, 2, 2, 2),
+                         "cp2_ep2_edp2": (2, 1, 2, 2)}
 
 
 def _compose_parallel_node(overrides: list[str]):
@@ -102,7 +103,7 @@ def test_strict_parse_of_a_preset_equals_the_schema_object(preset):
     (dict(ep_size=2, efsdp_size=3), 8, ValueError,
      r"parallel.backend.efsdp_size=3 must divide dp/ep=4 \(dp 8 / ep 2\); fix: .* one of \[1, 2, 4\], or -1"),
     (dict(ep_size=2, efsdp_size=0), 8, ValueError, r"parallel.backend.efsdp_size=0 must divide dp/ep=4"),
-    (dict(cp_size=2), 8, NotImplementedError, r"parallel.cp_size=2: context parallelism is not yet supported"),
+    (dict(cp_size=2), 8, ValueError, r"parallel.cp_size=2: checking context parallelism needs the model's head"),
     (dict(cp_size=3), 8, ValueError, r"parallel.cp_size=3 must divide the world size 8"),
     (dict(cp_mode="ring"), 8, ValueError, r"parallel.cp_mode='ring' must be one of ulysses"),
     (dict(dp_size=4), 8, ValueError, r"parallel.dp_size=4 must equal world size 8 / parallel.cp_size 1 = 8"),

@@ -135,3 +135,16 @@ def test_model_hf_builds_from_config_json_and_loads_the_weights(tiny_run_config,
         train.run(tiny_run_config(f"model.init_from={tmp_path / 'hf'}", "model.arch.moe_intermediate_size=8",
                                   "train.steps=0"))
     assert "moe_intermediate_size: preset 8 vs config.json 16" in caplog.text
+
+
+@pytest.mark.parametrize("model, mode", [("qwen3_moe_debug", "full"), ("qwen35_moe_debug", "selective")])
+def test_activation_checkpointing_from_the_first_forward_of_a_fresh_process(tmp_path, model, mode):
+    """In a new process the grouped-GEMM support probe runs inside the first (checkpointed) forward: it must
+    not disturb the recomputation."""
+    from tests.conftest import write_tokens
+    data = write_tokens(tmp_path / "t.npy", 2000)
+    out = subprocess.run(
+        [sys.executable, "train.py", f"model={model}", "model.arch.vocab_size=256", "data=tokens", f"data.path={data}",
+         "data.seq_len=32", "train.steps=2", f"parallel.activation_checkpoint={mode}", f"train.output_dir={tmp_path}",
+         f"data.cache_dir={tmp_path}", "logging.tensorboard=false"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -8,7 +8,6 @@ permute/unpermute and grouped matmul; an expert without rows falls back to the t
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 from typing import Any
 
@@ -75,9 +74,11 @@ def local_ops(device_type: str) -> TorchOps:
     """The local ops for a device type; NPU needs torch_npu, and saying so beats a silent slow path."""
     if device_type != "npu":
         return TorchOps()
-    if importlib.util.find_spec("torch_npu") is None:
-        raise RuntimeError("the EP dispatcher runs on an NPU but torch_npu is not installed (pip install '.[npu]')")
-    return NpuOps()
+    try:
+        return NpuOps()
+    except ImportError as error:
+        raise RuntimeError("the EP dispatcher runs on an NPU but torch_npu is not installed "
+                           "(pip install '.[npu]')") from error
 
 
 def run_local_experts(ops: TorchOps, local: SimpleNamespace, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
