@@ -6,7 +6,7 @@ token, a rank with no token at all, a rank receiving nothing, odd token counts (
 4 + 3) and a single token (halves of 1 and 0). The NPU paths run with a fake ``torch_npu`` whose
 ops follow the torch_npu docs in plain torch (so this checks our glue: count directions, weight layouts,
 the backward pairing of the MC2 ops; the real kernels need an Ascend machine).
-End to end: the debug model, 3 steps under ep2, dispatcher=fused / domino (also under selective activation
+End to end: the debug model, 3 steps under ep2, dispatcher=fused / domino (also under selective and full activation
 checkpointing) log the loss and grad norm of dispatcher=eager: fp32 to rel 1e-5 (summation order only), and
 close to eager's in bf16.
 """
@@ -38,7 +38,8 @@ from tests.test_parallel_train import train_config, write_inputs
 
 ROUTINGS = [*CASES, "one_token"]
 E2E_RUNS = {"fused": ["dispatcher=fused"], "domino": ["dispatcher=domino"],
-            "domino_selective_ac": ["dispatcher=domino", "parallel.activation_checkpoint=selective"]}
+            "domino_selective_ac": ["dispatcher=domino", "parallel.activation_checkpoint=selective"],
+            "domino_full_ac": ["dispatcher=domino", "parallel.activation_checkpoint=full"]}
 BF16_RUNS = ["eager", "fused", "domino"]  # FSDP2 bf16 params: dtype handling of the custom autograd functions
 
 

@@ -12,13 +12,13 @@ from typing import ClassVar, Mapping
 import torch
 import torch.nn as nn
 
+from models.causal_lm import MoeCausalLM
 from models.layers import RMSNorm, document_ids
 from models.init import ShardedInit, constant, normal
 from models.moe import GroupedExperts, RouterStats, TopKRouter
 from models.qwen3_5_moe.args import FULL_ATTENTION, Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
 from models.qwen3_5_moe.layers import GatedAttention, OffsetRMSNorm, SharedExpertMoeBlock, mrope_cos_sin
-from models.qwen3_moe.model import CausalLMOutput
 
 
 class DecoderLayer(nn.Module):
@@ -70,21 +70,8 @@ class Qwen3_5MoeModel(nn.Module):
         return document_ids(position_ids)
 
 
-class Qwen3_5MoeForCausalLM(nn.Module):
-    def __init__(self, args: Qwen3_5MoeArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Qwen3_5MoeModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None) -> CausalLMOutput:
-        """``position_ids`` [B, T], or [3, B, T] multimodal (t, h, w) streams; default 0..T-1 for every row."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
-        h_BTD, stats = self.model(input_ids_BT, position_ids)
-        return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
+class Qwen3_5MoeForCausalLM(MoeCausalLM):
+    decoder_cls = Qwen3_5MoeModel
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -6,22 +6,16 @@ No parallel plumbing here: ``parallelisms/`` shards this module from the outside
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar, Mapping
 
 import torch
 import torch.nn as nn
 
+from models.causal_lm import MoeCausalLM
 from models.init import ShardedInit, constant, normal
 from models.layers import RMSNorm, apply_rotary, causal_attention, document_ids, rotary_cos_sin
 from models.moe import GroupedExperts, RouterStats, SparseMoeBlock, TopKRouter
 from models.qwen3_moe.args import Qwen3MoeArgs
-
-
-@dataclass
-class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V]
-    router_stats: list[RouterStats]  # one per MoE layer
 
 
 class Attention(nn.Module):
@@ -99,20 +93,8 @@ class Qwen3MoeModel(nn.Module):
         return document_ids(position_ids_BT)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Qwen3MoeModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor | None = None) -> CausalLMOutput:
-        if position_ids_BT is None:
-            position_ids_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
-        h_BTD, stats = self.model(input_ids_BT, position_ids_BT)
-        return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
+class Qwen3MoeForCausalLM(MoeCausalLM):
+    decoder_cls = Qwen3MoeModel
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
