@@ -45,7 +45,7 @@ class TopKRouter(nn.Module):
         with torch.no_grad():
             entropy_sum = -(probs_NE * probs_NE.clamp_min(1e-20).log()).sum()
         stats = RouterStats(
-            counts_E=torch.bincount(experts_NK.flatten(), minlength=num_experts).float(),
+            counts_E=expert_counts(experts_NK, num_experts).float(),
             prob_sum_E=probs_NE.sum(dim=0),
             num_tokens=x_ND.shape[0],
             entropy_sum=entropy_sum,
@@ -67,7 +67,14 @@ class LocalDispatcher:
 def sort_by_expert(experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable order of the flattened (token, k) slots by expert id, and the slot count per expert."""
     flat_M = experts_NK.flatten()
-    return torch.argsort(flat_M, stable=True), torch.bincount(flat_M, minlength=num_experts)
+    return torch.argsort(flat_M, stable=True), expert_counts(experts_NK, num_experts)
+
+
+def expert_counts(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed rows per expert [E]. Not ``torch.bincount``: on CUDA it reads the input's min and max back to
+    the host (two syncs per call); integer index_add is exact and stays on the device."""
+    flat_M = experts_NK.flatten()
+    return flat_M.new_zeros(num_experts).index_add_(0, flat_M, torch.ones_like(flat_M))
 
 
 def combine(out_MD: torch.Tensor, weights_M: torch.Tensor, token_M: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -14,15 +14,8 @@ from typing import Any
 import torch
 
 from kernels.permute import inverse_permutation, permute_rows, permute_tokens, unpermute
-from models.moe import GroupedExperts
+from models.moe import GroupedExperts, expert_counts
 from parallelisms.dispatchers.common import Splits, expert_order
-
-
-def expert_counts(experts_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routed rows per expert [E]. Not ``torch.bincount``: on CUDA it reads the input's min and max back to
-    the host (two syncs per call); integer index_add is exact and stays on the device."""
-    flat_M = experts_NK.flatten()
-    return flat_M.new_zeros(num_experts).index_add_(0, flat_M, torch.ones_like(flat_M))
 
 
 class TorchOps:
