@@ -167,3 +167,25 @@ def test_killed_run_resumes_step_for_step(tmp_path, sig):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr + resumed.stdout
     assert losses(read_metrics(run_dir)) == losses(read_metrics(tmp_path / "ref"))
+
+
+class _Payload:
+    """What a malicious checkpoint could hide in DCP's metadata pickle: a call run at unpickling time."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_its_code(tiny_run_config, tmp_path):
+    import pickle
+    cfg = tiny_run_config("train.steps=2", "checkpoint.interval=2")
+    train.run(cfg)
+    step2 = Path(cfg.train.output_dir) / "checkpoints" / "step_00000002"
+    marker = tmp_path / "code-ran"
+    (step2 / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(RuntimeError, match="corrupt"):
+        train.run(tiny_run_config("train.steps=3", f"train.resume={step2}"))
+    assert not marker.exists()

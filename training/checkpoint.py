@@ -5,15 +5,18 @@ weights as one safetensors file.
 Layout: ``<root>/step_00000012/`` holds DCP's files plus ``train_state.json``, written last. A directory is
 complete iff it has that name: saves go to ``<root>/.tmp-step_...`` and are renamed into place, so a crash
 mid-save leaves the previous checkpoint usable. Nothing here unpickles: the train state is JSON and the
-model/optimizer tensors are read by DCP.
+model/optimizer tensors are read by DCP, whose metadata pickle goes through an allowlist unpickler and whose
+non-tensor items load with ``torch.load(weights_only=True)``: a crafted checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 import torch.nn as nn
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -40,6 +47,45 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run_dir>/checkpoints
     keep_last: int = 3  # complete checkpoints kept (older ones are deleted)
     export_hf_at_end: bool = False  # also write <run_dir>/hf (sharded safetensors + config.json)
+
+
+# What DCP's metadata pickle is made of (checked on torch 2.11-2.13): nothing else may be unpickled.
+_METADATA_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if ((module, name) in _METADATA_CLASSES or module == "torch.distributed.checkpoint.metadata"
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which DCP metadata never "
+                                     "does; refusing to unpickle it")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata read through the allowlist unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(Path(self.path) / name, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor items (optimizer hyper-parameters) loaded weights-only."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _barrier() -> None:
@@ -122,7 +168,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         train_state = json.loads((path / TRAIN_STATE).read_text())
         model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner())
     # DCP reports mismatches as assorted exception types (CheckpointException is a BaseException).
     except (Exception, CheckpointException) as e:
         raise RuntimeError(f"checkpoint {path} is corrupt or does not match this model/optimizer "
