@@ -31,7 +31,7 @@ INSTALL_HINT = ("install Slurm (apt-get install -y slurmctld slurmd slurm-client
 # Variables the scripts read: cleared so a test run inside a real allocation sees only what the test sets.
 LAYOUT_VARS = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "RUNS_ROOT", "REPO_DIR",
                "DRY_RUN", "TORCHRUN")
-STEPS = 100  # ~20 ms each plus a checkpoint every 2: seconds of margin to signal a job mid-run
+STEPS = 400  # ~20-50 ms each plus a checkpoint every 2: a quiet machine must still leave seconds to signal it mid-run
 JOB_TIMEOUT_S = 300  # a debug job takes ~10-30 s; the slack is for a loaded CI machine
 
 
