@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -29,13 +29,15 @@ from models.hf_io import export_hf, load_hf_into_model, load_hf_state_dict, load
 from parallelisms.config import BackendConfig, ParallelConfig  # noqa: E402
 
 
-def rss_gib() -> float:
+def status_gib(field: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**20
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 2**20
 
 
-def peak_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def reset_peak() -> None:
+    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def worker(rank: int, world: int, port: int, arch: dict, hf_dir: str, ep: int, sliced: bool, out: str) -> None:
@@ -50,16 +52,23 @@ def worker(rank: int, world: int, port: int, arch: dict, hf_dir: str, ep: int, s
         model = spec.model_cls(args)
     model = parallelisms.parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32)
     model.to_empty(device="cpu")
-    before = rss_gib()
+    reset_peak()
+    before = status_gib("VmRSS")
     if sliced:
         load_hf_into_model(model, hf_dir)
     else:
         load_into_model(model, load_hf_state_dict(hf_dir))
-    growth = torch.tensor([peak_gib() - before])
+    growth = torch.tensor([status_gib("VmHWM") - before])
     dist.all_reduce(growth, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out).write_text(f"{growth.item():.2f}")
     dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -83,7 +92,7 @@ def main() -> None:
               f"one rank's share ~ {size_gib / opts.world:.2f} GiB")
         for sliced in (True, False):
             out = Path(tmp) / "growth.txt"
-            mp.spawn(worker, args=(opts.world, 29555 + sliced, arch, str(Path(tmp) / "hf"), opts.ep, sliced, str(out)),
+            mp.spawn(worker, args=(opts.world, free_port(), arch, str(Path(tmp) / "hf"), opts.ep, sliced, str(out)),
                      nprocs=opts.world)
             how = "load_hf_into_model (own slices)" if sliced else "load_hf_state_dict + load_into_model (all)"
             print(f"{how}: peak RSS growth of the worst rank during the load {out.read_text()} GiB")
