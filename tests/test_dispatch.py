@@ -44,6 +44,36 @@ def _routing(case: str, ep_rank: int, ep: int, seed: int) -> torch.Tensor:
 CASES = ["random", "empty_rank", "zero_token_experts", "local_only", "all_to_rank_0"]
 
 
+def _experts_NK(case: str, ep_rank: int, ep: int, seed: int) -> torch.Tensor:
+    if case == "one_token":
+        return _routing("random", ep_rank, ep, seed)[:1]
+    return _routing(case, ep_rank, ep, seed)
+
+
+def _errors(reference: GroupedExperts, sharded: GroupedExperts, ep_mesh, rank: int, case: str) -> dict:
+    """max |EP - local| of the output and every gradient (expert gradients summed over the ep group)."""
+    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    experts_NK = _experts_NK(case, ep_rank, ep, seed=rank)
+    g = torch.Generator().manual_seed(100 + rank)
+    x_ND, weights_NK = torch.randn(len(experts_NK), D, generator=g), torch.rand(len(experts_NK), K, generator=g)
+    probe_ND = torch.randn(len(experts_NK), D, generator=g)
+    runs = []
+    for module in (reference, sharded):
+        module.zero_grad()
+        x, w = x_ND.clone().requires_grad_(), weights_NK.clone().requires_grad_()
+        y = module(x, experts_NK, w)
+        (y * probe_ND).sum().backward()
+        runs.append((y.detach(), x.grad, w.grad, [torch.zeros_like(p) if p.grad is None else p.grad
+                                                  for p in module.parameters()]))
+    (y_ref, gx_ref, gw_ref, gp_ref), (y, gx, gw, gp) = runs
+    for grad in gp_ref:
+        dist.all_reduce(grad, group=ep_mesh.get_group())
+    local = slice(ep_rank * (E // ep), (ep_rank + 1) * (E // ep))
+    pairs = {"y": (y, y_ref), "x.grad": (gx, gx_ref), "weights.grad": (gw, gw_ref),
+             **{f"param{i}.grad": (a.to_local(), b[local]) for i, (a, b) in enumerate(zip(gp, gp_ref))}}
+    return {k: (a.shape == b.shape, float((a - b).abs().max()) if a.numel() else 0.0) for k, (a, b) in pairs.items()}
+
+
 def _dispatch_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     reference = GroupedExperts(E, D, I)
@@ -57,27 +87,7 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
         apply_expert_parallel(sharded, ep_mesh, "eager")
         assert isinstance(sharded.dispatcher, EagerDispatcher) and sharded.num_experts == E // ep
         for case in CASES:
-            experts_NK = _routing(case, ep_rank, ep, seed=rank)
-            g = torch.Generator().manual_seed(100 + rank)
-            x_ND = torch.randn(len(experts_NK), D, generator=g)
-            weights_NK = torch.rand(len(experts_NK), K, generator=g)
-            probe_ND = torch.randn(len(experts_NK), D, generator=g)
-            runs = []
-            for module in (reference, sharded):
-                module.zero_grad()
-                x, w = x_ND.clone().requires_grad_(), weights_NK.clone().requires_grad_()
-                y = module(x, experts_NK, w)
-                (y * probe_ND).sum().backward()
-                grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in module.parameters()]
-                runs.append((y.detach(), x.grad, w.grad, grads))
-            (y_ref, gx_ref, gw_ref, gp_ref), (y, gx, gw, gp) = runs
-            local = slice(ep_rank * (E // ep), (ep_rank + 1) * (E // ep))
-            for grad in gp_ref:
-                dist.all_reduce(grad, group=ep_mesh.get_group())
-            pairs = {"y": (y, y_ref), "x.grad": (gx, gx_ref), "weights.grad": (gw, gw_ref),
-                     **{f"param{i}.grad": (a.to_local(), b[local]) for i, (a, b) in enumerate(zip(gp, gp_ref))}}
-            errors[(ep, case, rank)] = {k: (a.shape == b.shape, float((a - b).abs().max()) if a.numel() else 0.0)
-                                        for k, (a, b) in pairs.items()}
+            errors[(ep, case, rank)] = _errors(reference, sharded, ep_mesh, rank, case)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, errors)
     return {key: value for part in gathered for key, value in part.items()}

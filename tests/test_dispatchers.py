@@ -33,7 +33,7 @@ from parallelisms.dispatchers import domino, mc2, npu
 from parallelisms.dispatchers.common import Splits, group_device_type
 from parallelisms.expert_parallel import apply_expert_parallel
 from tests.dist_utils import run_distributed
-from tests.test_dispatch import CASES, D, E, I, K, _routing
+from tests.test_dispatch import CASES, D, E, I, K, _errors, _experts_NK
 from tests.test_parallel_train import train_config, write_inputs
 
 ROUTINGS = [*CASES, "one_token"]
@@ -127,36 +127,6 @@ def _install_fake_npu(groups: dict[str, dist.ProcessGroup] | None = None) -> typ
 
 
 # ----------------------------------------------------------------------------- dispatch-level comparisons
-
-def _experts_NK(case: str, ep_rank: int, ep: int, seed: int) -> torch.Tensor:
-    if case == "one_token":
-        return _routing("random", ep_rank, ep, seed)[:1]
-    return _routing(case, ep_rank, ep, seed)
-
-
-def _errors(reference: GroupedExperts, sharded: GroupedExperts, ep_mesh, rank: int, case: str) -> dict:
-    """max |EP - local| of the output and every gradient (expert gradients summed over the ep group)."""
-    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    experts_NK = _experts_NK(case, ep_rank, ep, seed=rank)
-    g = torch.Generator().manual_seed(100 + rank)
-    x_ND, weights_NK = torch.randn(len(experts_NK), D, generator=g), torch.rand(len(experts_NK), K, generator=g)
-    probe_ND = torch.randn(len(experts_NK), D, generator=g)
-    runs = []
-    for module in (reference, sharded):
-        module.zero_grad()
-        x, w = x_ND.clone().requires_grad_(), weights_NK.clone().requires_grad_()
-        y = module(x, experts_NK, w)
-        (y * probe_ND).sum().backward()
-        runs.append((y.detach(), x.grad, w.grad, [torch.zeros_like(p) if p.grad is None else p.grad
-                                                  for p in module.parameters()]))
-    (y_ref, gx_ref, gw_ref, gp_ref), (y, gx, gw, gp) = runs
-    for grad in gp_ref:
-        dist.all_reduce(grad, group=ep_mesh.get_group())
-    local = slice(ep_rank * (E // ep), (ep_rank + 1) * (E // ep))
-    pairs = {"y": (y, y_ref), "x.grad": (gx, gx_ref), "weights.grad": (gw, gw_ref),
-             **{f"param{i}.grad": (a.to_local(), b[local]) for i, (a, b) in enumerate(zip(gp, gp_ref))}}
-    return {k: (a.shape == b.shape, float((a - b).abs().max()) if a.numel() else 0.0) for k, (a, b) in pairs.items()}
-
 
 def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: list[int]) -> dict:
     """{(dispatcher, ep, case, rank): errors}, gathered from every rank. Names ending in _npu run on the fake
