@@ -25,6 +25,10 @@ def test_imbalance_and_entropy_match_a_direct_computation():
     assert metrics["moe/layer0/router_entropy"] == pytest.approx(entropy.item(), rel=1e-5)
     assert 0 < metrics["moe/layer0/router_entropy"] <= math.log(4)
     assert metrics["moe/max_imbalance"] == metrics["moe/layer0/imbalance"]
+    # One layer's aux loss is transformers' load_balancing_loss_func over that layer's tokens.
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    want = load_balancing_loss_func((x_ND @ router.weight.T,), num_experts=4, top_k=2)
+    assert metrics["moe/layer0/aux_loss"] == pytest.approx(want.item(), rel=1e-5)
 
 
 def test_progress_line_is_one_concise_line():

@@ -81,22 +81,28 @@ def _hms(seconds: float) -> str:
 
 
 def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
-    """[L, E + 2] per MoE layer: routed slots per expert, entropy sum, token count (no grad, stays on device)."""
-    return torch.stack([torch.cat([s.counts_E, s.entropy_sum.reshape(1), s.counts_E.new_tensor([s.num_tokens])])
-                        for s in stats]).detach()
+    """[L, 2E + 2] per MoE layer: routed slots per expert, router probability sums per expert, entropy sum,
+    token count (no grad, stays on device)."""
+    return torch.stack([torch.cat([s.counts_E, s.prob_sum_E.detach(), s.entropy_sum.reshape(1),
+                                   s.counts_E.new_tensor([s.num_tokens])]) for s in stats]).detach()
 
 
 def moe_metrics(routing_LX: torch.Tensor, group: dist.ProcessGroup | None) -> dict[str, float]:
-    """Per layer over the global batch: load imbalance (max / mean slots per expert; 1 is perfect balance)
-    and mean router entropy (nats); plus the worst imbalance over layers."""
+    """Per layer over the global batch: load imbalance (max / mean slots per expert; 1 is perfect balance),
+    mean router entropy (nats) and the layer's Switch aux loss ``E * sum_e f_e * P_e``; plus the worst
+    imbalance over layers."""
     if group is not None:
         routing_LX = routing_LX.clone()
         dist.all_reduce(routing_LX, group=group)
-    counts_LE, entropy_L, tokens_L = routing_LX[:, :-2], routing_LX[:, -2], routing_LX[:, -1]
+    num_experts = (routing_LX.shape[1] - 2) // 2
+    counts_LE, prob_sum_LE = routing_LX[:, :num_experts], routing_LX[:, num_experts:2 * num_experts]
+    entropy_L, tokens_L = routing_LX[:, -2], routing_LX[:, -1].clamp_min(1)
     imbalance_L = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp_min(1e-9)).tolist()
-    entropy_L = (entropy_L / tokens_L.clamp_min(1)).tolist()
+    aux_L = (num_experts * (counts_LE * prob_sum_LE).sum(dim=1) / tokens_L**2).tolist()
+    entropy_L = (entropy_L / tokens_L).tolist()
     out: dict[str, float] = {"moe/max_imbalance": max(imbalance_L)}
-    for layer, (imbalance, entropy) in enumerate(zip(imbalance_L, entropy_L)):
+    for layer, (imbalance, entropy, aux) in enumerate(zip(imbalance_L, entropy_L, aux_L)):
         out[f"moe/layer{layer}/imbalance"] = imbalance
         out[f"moe/layer{layer}/router_entropy"] = entropy
+        out[f"moe/layer{layer}/aux_loss"] = aux
     return out
