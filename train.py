@@ -267,6 +267,10 @@ def main(dict_cfg: DictConfig) -> None:
         return
     try:
         run(cfg)
+        if dist.is_initialized():
+            # Every rank leaves its last collective before any rank tears its process group down: a rank that
+            # exits while a peer still talks to it can abort the peer (seen with gloo).
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

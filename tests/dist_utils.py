@@ -43,6 +43,7 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, resul
         result = fn(rank, world_size, *args)
         if rank == 0:
             torch.save(result, result_path)
+        dist.barrier()  # no rank tears down while a peer still talks to it (a gloo peer can abort then)
     finally:
         dist.destroy_process_group()
 

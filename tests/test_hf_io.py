@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import yaml
 from safetensors.torch import load_file, save_file
@@ -28,6 +26,7 @@ from models import build_args, get_spec
 from models.hf_io import (INDEX, SAFETENSORS, args_from_hf_config, export_hf, export_state_dict_hf,
                           load_hf_into_model, load_hf_state_dict, load_into_model, preset_differences,
                           read_hf_config)
+from tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -206,36 +205,32 @@ def test_export_script_errors(tmp_path: Path) -> None:
         script.main([str(tmp_path / "run"), str(tmp_path / "hf")])
 
 
-def _dtensor_load_worker(rank: int, init_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        fsdp = nn.Module()
-        fsdp.uneven = nn.Parameter(torch.zeros(3, 4))  # chunks of 2 and 1 rows
-        fsdp.tail = nn.Parameter(torch.zeros(1, 5))  # rank 1's shard is empty
-        fsdp.cols = nn.Parameter(torch.zeros(4, 6))  # Shard(1) (FSDP2 needs it even there)
-        fully_shard(fsdp, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p is fsdp.cols else Shard(0))
-        model = nn.Module()
-        model.fsdp = fsdp
-        # EP x EFSDP-like layouts: two placements, applied left to right.
-        ep_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "efsdp"))
-        model.experts = nn.Parameter(distribute_tensor(torch.zeros(5, 3, 4), ep_mesh, [Shard(0), Shard(1)]))
-        efsdp_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "efsdp"))
-        model.expert_cols = nn.Parameter(  # uneven Shard(1): 3 and 2 columns
-            distribute_tensor(torch.zeros(2, 5), efsdp_mesh, [Replicate(), Shard(1)]))
-        model.replicated = nn.Parameter(distribute_tensor(torch.zeros(2, 3), mesh, [Replicate()]))
+def _dtensor_load_worker(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    fsdp = nn.Module()
+    fsdp.uneven = nn.Parameter(torch.zeros(3, 4))  # chunks of 2 and 1 rows
+    fsdp.tail = nn.Parameter(torch.zeros(1, 5))  # rank 1's shard is empty
+    fsdp.cols = nn.Parameter(torch.zeros(4, 6))  # Shard(1) (FSDP2 needs it even there)
+    fully_shard(fsdp, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p is fsdp.cols else Shard(0))
+    model = nn.Module()
+    model.fsdp = fsdp
+    # EP x EFSDP-like layouts: two placements, applied left to right.
+    ep_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "efsdp"))
+    model.experts = nn.Parameter(distribute_tensor(torch.zeros(5, 3, 4), ep_mesh, [Shard(0), Shard(1)]))
+    efsdp_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "efsdp"))
+    model.expert_cols = nn.Parameter(  # uneven Shard(1): 3 and 2 columns
+        distribute_tensor(torch.zeros(2, 5), efsdp_mesh, [Replicate(), Shard(1)]))
+    model.replicated = nn.Parameter(distribute_tensor(torch.zeros(2, 3), mesh, [Replicate()]))
 
-        generator = torch.Generator().manual_seed(0)  # the same full tensors on both ranks
-        full = {name: torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
-        load_into_model(model, full)
-        for name, p in model.named_parameters():
-            assert torch.equal(p.full_tensor(), full[name]), name
-    finally:
-        dist.destroy_process_group()
+    generator = torch.Generator().manual_seed(0)  # the same full tensors on both ranks
+    full = {name: torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
+    load_into_model(model, full)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), full[name]), name
 
 
 def test_load_into_dtensor_shards_on_two_gloo_ranks(tmp_path: Path) -> None:
-    mp.spawn(_dtensor_load_worker, args=(str(tmp_path / "pg_init"),), nprocs=2)
+    run_distributed(_dtensor_load_worker, 2)
 
 
 def test_reading_a_box_of_the_disk_equals_slicing_the_full_tensor(tmp_path: Path) -> None:
@@ -253,26 +248,22 @@ def test_reading_a_box_of_the_disk_equals_slicing_the_full_tensor(tmp_path: Path
             assert torch.equal(src.read(box), full["model.layers.1.mlp.experts.gate_up_proj"][box]), box
 
 
-def _sharded_hf_load_worker(rank: int, init_file: str, hf_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        with torch.device("meta"):
-            model = get_spec("qwen3_moe").model_cls(build_args("qwen3_moe", ARCH))
-        for layer in model.model.layers:  # experts sharded on dim 1 (rows), the rest on dim 0
-            fully_shard(layer.mlp.experts, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        load_hf_into_model(model, hf_dir)
-        full = load_hf_state_dict(hf_dir)
-        for name, p in model.named_parameters():
-            assert torch.equal(p.full_tensor(), full[name]), name
-    finally:
-        dist.destroy_process_group()
+def _sharded_hf_load_worker(rank: int, world_size: int, hf_dir: str) -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    with torch.device("meta"):
+        model = get_spec("qwen3_moe").model_cls(build_args("qwen3_moe", ARCH))
+    for layer in model.model.layers:  # experts sharded on dim 1 (rows), the rest on dim 0
+        fully_shard(layer.mlp.experts, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    load_hf_into_model(model, hf_dir)
+    full = load_hf_state_dict(hf_dir)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), full[name]), name
 
 
 def test_each_rank_reads_its_own_slices_into_an_fsdp_model(tmp_path: Path) -> None:
     export_state_dict_hf(_model().state_dict(), "qwen3_moe", build_args("qwen3_moe", ARCH), tmp_path / "hf",
                          max_shard_bytes=SMALL_SHARD)
-    mp.spawn(_sharded_hf_load_worker, args=(str(tmp_path / "pg_init"), str(tmp_path / "hf")), nprocs=2)
+    run_distributed(_sharded_hf_load_worker, 2, str(tmp_path / "hf"))
