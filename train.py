@@ -38,18 +38,19 @@ from training.optim import build_optimizer, build_scheduler
 logger = logging.getLogger("train")
 
 
-def resolve_model_args(cfg: TrainConfig):
-    """The family's hyper-parameters: the preset, or the config.json of model.init_from (model=hf)."""
+def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
+    """The family's spec and hyper-parameters: the preset, or the config.json of model.init_from (model=hf)."""
     m = cfg.model
     if m.init_from is None:
-        return models.build_args(m.model_type, dict(m.arch))
+        return models.get_spec(m.model_type), models.build_args(m.model_type, dict(m.arch))
     hf_config = read_hf_config(m.init_from)
     if m.name == "hf":
-        return args_from_hf_config(hf_config)[1]
+        model_type, args = args_from_hf_config(hf_config)
+        return models.get_spec(model_type), args
     args = models.build_args(m.model_type, dict(m.arch))
     for line in preset_differences(args, hf_config):
         logger.warning("model=%s differs from %s/config.json: %s", m.name, m.init_from, line)
-    return args
+    return models.get_spec(m.model_type), args
 
 
 def shared_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims) -> Path:
@@ -75,7 +76,7 @@ class StepResult(NamedTuple):
     aux_loss: float
     grad_norm: float
     updated: bool
-    routing_LX: torch.Tensor  # per MoE layer: [slots per expert (E) | entropy sum | tokens], this rank's share
+    routing_LX: torch.Tensor  # per MoE layer, this rank's share: see training.metrics.routing_summary
 
 
 def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
@@ -117,8 +118,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     validate(cfg)
     dev_type = device.device_type(cfg.train.device)
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    model_args = resolve_model_args(cfg)
-    spec = models.get_spec(cfg.model.model_type or args_from_hf_config(read_hf_config(cfg.model.init_from))[0])
+    spec, model_args = resolve_model(cfg)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           arch=dataclasses.asdict(model_args), seq_len=cfg.data.seq_len)
 

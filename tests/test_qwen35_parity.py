@@ -18,7 +18,8 @@ from models import build_args, get_spec
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
 from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule
-from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
+from tests.conftest import our_loss_like_transformers
+from training.loss import aux_loss_share
 
 CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
 # Both layer kinds, full attention not only last; GVA (4 value heads on 2 q/k heads), key dim != value dim;
@@ -69,13 +70,9 @@ def test_forward_loss_and_grads_match_transformers(chunk_size: int) -> None:
     ours, hf = _models(chunk_size)
     torch.manual_seed(1)
     input_ids_BT = torch.randint(0, ARCH["vocab_size"], (B, T))
-    # HF shifts the labels itself; we pass them shifted, with nothing to predict after the last token.
-    labels_BT = torch.cat([input_ids_BT[:, 1:], torch.full_like(input_ids_BT[:, :1], IGNORE_INDEX)], dim=1)
-
     out = ours(input_ids_BT)
+    loss = our_loss_like_transformers(out, input_ids_BT, ARCH["num_experts"], ARCH["router_aux_loss_coef"])
     aux = aux_loss_share(out.router_stats, ARCH["num_experts"])
-    loss = cross_entropy_sum(out.logits, labels_BT) / (labels_BT != IGNORE_INDEX).sum() \
-        + ARCH["router_aux_loss_coef"] * aux
     loss.backward()
     ref = hf(input_ids=input_ids_BT, labels=input_ids_BT)  # output_router_logits: loss includes coef x aux
     ref.loss.backward()

@@ -11,7 +11,8 @@ import models.moe
 from kernels.grouped_mm import native_grouped_mm_ok, per_group_mm
 from models import build_args, get_spec
 from models.moe import GroupedExperts
-from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
+from tests.conftest import our_loss_like_transformers
+from training.loss import aux_loss_share
 
 ARCH = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -45,13 +46,9 @@ def test_forward_loss_and_grads_match_transformers(experts_implementation: str |
     ours, hf = _models(experts_implementation)
     torch.manual_seed(1)
     input_ids_BT = torch.randint(0, ARCH["vocab_size"], (2, 24))
-    # HF shifts the labels itself; we pass them shifted, with nothing to predict after the last token.
-    labels_BT = torch.cat([input_ids_BT[:, 1:], torch.full_like(input_ids_BT[:, :1], IGNORE_INDEX)], dim=1)
-
     out = ours(input_ids_BT)
+    loss = our_loss_like_transformers(out, input_ids_BT, ARCH["num_experts"], ARCH["router_aux_loss_coef"])
     aux = aux_loss_share(out.router_stats, ARCH["num_experts"])
-    loss = cross_entropy_sum(out.logits, labels_BT) / (labels_BT != IGNORE_INDEX).sum() \
-        + ARCH["router_aux_loss_coef"] * aux
     loss.backward()
     ref = hf(input_ids=input_ids_BT, labels=input_ids_BT)
     ref.loss.backward()

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from models.moe import GroupedExperts
-from parallelisms.dispatchers.common import EPDispatcher, exchange_counts, group_device_type, local_experts
-from parallelisms.dispatchers.local_ops import local_ops, run_local_experts
+from parallelisms.dispatchers.common import exchange_counts, local_experts
+from parallelisms.dispatchers.local_ops import LocalOpsDispatcher, run_local_experts
 
 _all_to_all = torch.ops._c10d_functional.all_to_all_single
 _wait = torch.ops._c10d_functional.wait_tensor
@@ -77,11 +77,7 @@ class _InFlight:
         return _Wait.apply(self.tensor, *self.args)
 
 
-class DominoDispatcher(EPDispatcher):
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
-        super().__init__(group, num_experts)
-        self.ops = local_ops(device_type or group_device_type(group))
-
+class DominoDispatcher(LocalOpsDispatcher):
     def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         N = x_ND.shape[0]

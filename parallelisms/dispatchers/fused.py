@@ -11,19 +11,14 @@ kept for backward. On NPU the same steps run torch_npu's fused permute / unpermu
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from models.moe import GroupedExperts
-from parallelisms.dispatchers.common import EPDispatcher, exchange_counts, group_device_type, local_experts
-from parallelisms.dispatchers.local_ops import local_ops, run_local_experts
+from parallelisms.dispatchers.common import exchange_counts, local_experts
+from parallelisms.dispatchers.local_ops import LocalOpsDispatcher, run_local_experts
 
 
-class FusedDispatcher(EPDispatcher):
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
-        super().__init__(group, num_experts)
-        self.ops = local_ops(device_type or group_device_type(group))
-
+class FusedDispatcher(LocalOpsDispatcher):
     def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         x_MD, send_counts_E, state = self.ops.permute(x_ND, experts_NK, self.num_experts)

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kernels.permute import inverse_permutation, permute_rows, permute_tokens, unpermute
 from models.moe import GroupedExperts, expert_counts
-from parallelisms.dispatchers.common import Splits, expert_order
+from parallelisms.dispatchers.common import EPDispatcher, Splits, expert_order, group_device_type
 
 
 class TorchOps:
@@ -72,6 +73,14 @@ def local_ops(device_type: str) -> TorchOps:
     except ImportError as error:
         raise RuntimeError("the EP dispatcher runs on an NPU but torch_npu is not installed "
                            "(pip install '.[npu]')") from error
+
+
+class LocalOpsDispatcher(EPDispatcher):
+    """An EP dispatcher whose local permute / expert ops are chosen for the group's device (fused, domino)."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
+        super().__init__(group, num_experts)
+        self.ops = local_ops(device_type or group_device_type(group))
 
 
 def run_local_experts(ops: TorchOps, local: SimpleNamespace, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
