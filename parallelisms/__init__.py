@@ -2,7 +2,7 @@
 cross-mesh gradient clipping. ``train.py`` calls, in order: validate_parallel_config -> init_distributed ->
 build_parallel_dims -> parallelize_model -> (materialise) -> clip_grad_norm_ each step."""
 
-from parallelisms.config import BackendConfig, ParallelConfig, parse_parallel_config
+from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.dims import ParallelDims, ParallelSizes, build_parallel_dims, init_distributed, resolve_sizes
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.parallelize import expert_shard_dim, parallelize_model, parallelize_qwen3_moe
@@ -10,6 +10,6 @@ from parallelisms.validate import validate_parallel_config
 
 __all__ = [
     "BackendConfig", "ParallelConfig", "ParallelDims", "ParallelSizes", "build_parallel_dims", "clip_grad_norm_",
-    "expert_shard_dim", "init_distributed", "parallelize_model", "parse_parallel_config", "parallelize_qwen3_moe", "resolve_sizes",
+    "expert_shard_dim", "init_distributed", "parallelize_model", "parallelize_qwen3_moe", "resolve_sizes",
     "validate_parallel_config",
 ]

@@ -2,18 +2,14 @@
 
 Both are structured dataclasses in the Hydra schema, so overriding an unknown key (say ``cp_size`` put
 inside ``backend``) fails at composition. Hydra's append syntax (``+parallel.backend.cp_size=2``) bypasses
-the schema, though, and ``OmegaConf.to_object`` then drops the key silently: ``parse_parallel_config``
-rejects it by name. Derived sizes (-1 fields) are computed in one place, ``parallelisms.dims.resolve_sizes``;
+the schema, though, and ``OmegaConf.to_object`` would drop the key silently: ``training.config.to_train_config``
+rejects it by name, for this group as for every other. Derived sizes (-1 fields) are computed in one place, ``parallelisms.dims.resolve_sizes``;
 the cross-field checks live in ``parallelisms.validate``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 BACKENDS = ("none", "ddp", "fsdp2")
 ACTIVATION_CHECKPOINT_MODES = ("none", "full", "selective")
@@ -44,28 +40,3 @@ class ParallelConfig:
     activation_checkpoint: str = "none"  # none | full | selective
     backend: BackendConfig = field(default_factory=BackendConfig)
 
-
-T = TypeVar("T")
-
-
-def from_mapping(schema: type[T], node: Mapping[str, Any], path: str) -> T:
-    """Dataclass ``schema`` from a mapping (a plain dict or an OmegaConf DictConfig, whose interpolations
-    resolve on access), nested dataclasses included; any key the schema lacks raises ValueError naming it."""
-    types = typing.get_type_hints(schema)
-    unknown = sorted(set(node) - set(types))
-    if unknown:
-        raise ValueError(f"{path} has unknown keys {unknown}; known: {sorted(types)}")
-    values = {}
-    for key in node:
-        value = node[key]
-        if dataclasses.is_dataclass(types[key]):
-            value = from_mapping(types[key], value, f"{path}.{key}")
-        elif isinstance(value, Sequence) and not isinstance(value, str):
-            value = list(value)
-        values[key] = value
-    return schema(**values)
-
-
-def parse_parallel_config(node: Mapping[str, Any]) -> ParallelConfig:
-    """The strict ParallelConfig of a composed ``parallel`` node."""
-    return from_mapping(ParallelConfig, node, "parallel")

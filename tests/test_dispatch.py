@@ -82,7 +82,6 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
     errors = {}
     for ep in (4, 2):
         ep_mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("rest", "ep"))["ep"]
-        ep_rank = ep_mesh.get_local_rank()
         sharded = copy.deepcopy(reference)
         apply_expert_parallel(sharded, ep_mesh, "eager")
         assert isinstance(sharded.dispatcher, EagerDispatcher) and sharded.num_experts == E // ep

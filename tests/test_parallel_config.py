@@ -7,13 +7,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from parallelisms import (BackendConfig, ParallelConfig, parse_parallel_config, resolve_sizes,
-                          validate_parallel_config)
+from parallelisms import BackendConfig, ParallelConfig, resolve_sizes, validate_parallel_config
 from tests.conftest import CONF_DIR, compose_config
-from training.config import register_schema
 
 PRESETS = sorted(p.stem for p in Path(CONF_DIR, "parallel").glob("*.yaml"))
 # The world size each preset is meant for (8 unless listed).
@@ -69,30 +66,17 @@ def test_expert_layout_of_the_presets_on_8_and_16_ranks():
                          "cp2_ep2_edp2": (2, 1, 2, 2)}
 
 
-def _compose_parallel_node(overrides: list[str]):
-    register_schema()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose(config_name="config", overrides=overrides).parallel
-
-
 def test_backend_config_is_strict_about_unknown_keys():
     # A topology key put inside the backend is an error, never silently ignored.
     with pytest.raises(ConfigCompositionException, match="cp_size"):
         compose_config(["parallel=ep2", "parallel.backend.cp_size=2"])
     with pytest.raises(ConfigCompositionException, match="ep_sise"):
         compose_config(["parallel=ep2", "parallel.backend.ep_sise=4"])
-    # Hydra's append bypasses the schema, and OmegaConf.to_object would drop the key: the strict parse rejects it.
-    node = _compose_parallel_node(["parallel=ep2", "+parallel.backend.cp_size=2"])
+    # Hydra's append bypasses the schema, and OmegaConf.to_object would drop the key: to_train_config rejects it.
     with pytest.raises(ValueError, match=r"parallel.backend has unknown keys \['cp_size'\]; known: \[.*'ep_size'"):
-        parse_parallel_config(node)
+        compose_config(["parallel=ep2", "+parallel.backend.cp_size=2"])
     with pytest.raises(ValueError, match=r"parallel has unknown keys \['ep_size'\]"):
-        parse_parallel_config(_compose_parallel_node(["parallel=ep2", "+parallel.ep_size=2"]))
-
-
-@pytest.mark.parametrize("preset", PRESETS)
-def test_strict_parse_of_a_preset_equals_the_schema_object(preset):
-    node = _compose_parallel_node([f"parallel={preset}"])
-    assert parse_parallel_config(node) == compose_config([f"parallel={preset}"]).parallel
+        compose_config(["parallel=ep2", "+parallel.ep_size=2"])
 
 
 @pytest.mark.parametrize("kwargs, world, error, pattern", [
