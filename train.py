@@ -8,6 +8,7 @@ materialise (init or load) -> optimizer -> data -> loop -> final weights.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -31,9 +32,10 @@ from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, sav
 from training.config import TrainConfig, register_schema, to_train_config, validate
 from training.data import build_data_loader, context_shard
 from training.launch import needs_torchrun, relaunch_with_torchrun
-from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
+from training.loss import IGNORE_INDEX, aux_loss_share
 from training.metrics import MetricLogger, moe_metrics, progress_line, routing_summary
 from training.optim import build_optimizer, build_scheduler
+from training.profiling import StepProfiler
 
 logger = logging.getLogger("train")
 
@@ -91,8 +93,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     ce_share = aux_share = routing_LX = 0.0
     for batch in batches:
         with autocast:
-            out = model(batch["input_ids"], batch["position_ids"])
-        ce = cross_entropy_sum(out.logits, batch["labels"]) / num_tokens
+            out = model(batch["input_ids"], batch["position_ids"], batch["labels"])  # chunked LM head + CE
+        ce = out.loss_sum / num_tokens
         aux = aux_loss_share(out.router_stats, num_experts, dims.data_group) / len(batches)
         ((ce + aux_coef * aux) * dims.grad_scale).backward()
         ce_share, aux_share = ce_share + ce.detach(), aux_share + aux.detach()
@@ -176,6 +178,10 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     peak_flops = device.peak_tflops(dev_type)
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
     stop = StopSignal(dims, dev)
+    profiler = StepProfiler(run_dir, cfg.logging.profile_step, cfg.logging.profile_steps, dims.rank, dev_type)
+    if cfg.train.gc_every:  # Python's automatic GC pauses one rank at a time, and every other rank waits on it
+        gc.collect()
+        gc.disable()
 
     def checkpoint(step: int) -> None:
         train_state = {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": rng_state(dev_type)}
@@ -186,7 +192,10 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     start = time.perf_counter()
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
+        profiler.step_begin(step)
         step_start = time.perf_counter()
+        if cfg.train.gc_every and step % cfg.train.gc_every == 0:
+            gc.collect(1)  # young generations only, as torchtitan: cheap, at the same step on every rank
         # The cp ranks of a dp slice read the same sequences; each keeps its 1/cp of every one.
         shards = [context_shard(next(loader), dims.cp_rank, dims.cp) for _ in range(cfg.train.grad_accum_steps)]
         batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
@@ -195,6 +204,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
                             model_args.router_aux_loss_coef, autocast, update=step > 0)
         device.synchronize(dev_type)
         step_time = time.perf_counter() - step_start
+        profiler.step_end(step)  # after the sync: the profiled wall time is complete
         tokens = cfg.train.grad_accum_steps * cfg.train.local_batch_size * cfg.data.seq_len * dims.dp
         per_device = tokens / step_time / dims.world_size
         metrics: dict[str, Any] = {
@@ -223,7 +233,10 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
             save_model_weights(model, run_dir / "model.safetensors", is_writer=dims.rank == 0)
         if cfg.checkpoint.export_hf_at_end:
             export_hf(model, spec.model_type, run_dir / "hf")
+    profiler.close()  # a run that stopped inside the window still gets its trace and summary
     stop.restore()
+    if cfg.train.gc_every:
+        gc.enable()
     metric_logger.close()
     if dims.rank == 0:
         logger.info("run directory: %s", run_dir)

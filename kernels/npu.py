@@ -27,6 +27,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (normed.float() * F.silu(z.float())).to(x.dtype)
 
 
+def packed_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    return torch_npu.npu_swiglu(gate_up, dim=-1)  # silu(first half) * second half
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # npu_swiglu splits its input in halves along ``dim``: silu(first) * second.
     return torch_npu.npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)

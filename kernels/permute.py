@@ -3,19 +3,45 @@
 Autograd's default for ``x[index]`` is ``index_put_(accumulate=True)``, which sorts the index on CUDA, needs
 a zero-filled buffer and adds with atomics (non-deterministic). Every map here is a permutation or a
 K-to-one gather whose inverse is known, so forward and backward are plain ``index_select``s plus a reduction
-over K: deterministic, no zero fill, no atomics, no sort. The unpermute applies the router weights and sums
-over K in one ``bmm`` and does not keep the weighted [M, D] product for backward, as ``out * w`` would. The
+over K: deterministic, no zero fill, no atomics, no sort. The unpermute applies the router weights in the op
+that sums over K and does not keep the weighted [M, D] product for backward, as ``out * w`` would. The torch
 K-to-one gathers run in token chunks, so their transient gathered rows stay within [N, D] (what eager's
 zero-filled buffer costs), not [M, D] (512 MiB per layer at the Qwen3-30B-A3B shapes).
 
 Letters: N tokens, K top-k, M = N*K routed rows in expert order, D hidden.
 ``order_M``: flat (token, k) slot of each expert-ordered row (a stable argsort of the expert ids);
 ``inv_M``: its inverse (row of each flat slot); ``token_M = order_M // K``.
+
+On CUDA with triton installed, the K-to-one steps run ``kernels.triton_permute`` (one pass over the rows);
+the torch code below is the reference everywhere else.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the K-to-one steps on ``t`` take the Triton kernels."""
+    return t.device.type == "cuda" and _have_triton()
+
+
+def _materialised(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a functional collective's result (or a view of one: such views stay
+    ``AsyncCollectiveTensor``s, and so does ``.to()`` to the same dtype). A Triton kernel reads ``data_ptr()``
+    without going through torch dispatch, so it would neither wait for the all-to-all nor see real storage (an
+    ``AsyncCollectiveTensor`` is a wrapper subclass)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -23,11 +49,16 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
 
 
-def _gather_sum(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
-                weights_NK: torch.Tensor | None = None) -> torch.Tensor:
-    """out[n] = sum_k w[n, k] * src[inv_M[n*K + k]] (w = 1 without weights), accumulated in fp32 by the
-    reduction, in K chunks of tokens: K launches instead of one, a gathered transient of [N, D] instead of
-    [M, D]. TODO: a Triton kernel would read each row once and skip the transient."""
+def gather_sum(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
+               weights_NK: torch.Tensor | None = None) -> torch.Tensor:
+    """out[n] = sum_k w[n, k] * src[inv_M[n*K + k]] (w = 1 without weights; the weights rounded to src's dtype
+    first), accumulated in fp32, for any map (a row may be read by several slots). In torch: K chunks of
+    tokens, a gathered transient of [N, D] instead of [M, D]. On CUDA: ``kernels.triton_permute.gather_sum``."""
+    if use_triton(src_MD):
+        from kernels import triton_permute
+
+        weights_NK = _materialised(weights_NK) if weights_NK is not None else None
+        return triton_permute.gather_sum(_materialised(src_MD), _materialised(inv_M), N, K, weights_NK)
     D = src_MD.shape[-1]
     out_ND = src_MD.new_empty(N, D)
     chunk = max(1, -(-N // K)) if K else 1
@@ -68,7 +99,7 @@ class _PermuteTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_MD: torch.Tensor):
         (inv_M,) = ctx.saved_tensors
-        return _gather_sum(grad_MD, inv_M, *ctx.NK), None, None  # the K rows of token n: inv_M[n*K:(n+1)*K]
+        return gather_sum(grad_MD, inv_M, *ctx.NK), None, None  # the K rows of token n: inv_M[n*K:(n+1)*K]
 
 
 class _Unpermute(torch.autograd.Function):
@@ -78,14 +109,21 @@ class _Unpermute(torch.autograd.Function):
     def forward(ctx, y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tensor,
                 inv_M: torch.Tensor) -> torch.Tensor:
         N, K = weights_NK.shape
+        # The all-to-all's output (and maps or weights that came through one) are saved and read by Triton.
+        y_MD, weights_NK, order_M, inv_M = (_materialised(t) for t in (y_MD, weights_NK, order_M, inv_M))
         ctx.save_for_backward(y_MD, weights_NK, order_M, inv_M)
         # A fresh tensor, not a view (FSDP2 warns about module outputs that are views: an in-place op on one
         # would drop its pre-backward hook).
-        return _gather_sum(y_MD, inv_M, N, K, weights_NK)
+        return gather_sum(y_MD, inv_M, N, K, weights_NK)
 
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):
         y_MD, weights_NK, order_M, inv_M = ctx.saved_tensors
+        if use_triton(y_MD):
+            from kernels import triton_permute
+
+            grad_y, grad_w = triton_permute.unpermute_backward(_materialised(grad_ND), y_MD, weights_NK, inv_M)
+            return grad_y, grad_w, None, None
         token_M = order_M.div(weights_NK.shape[1], rounding_mode="floor")
         grad_MD = grad_ND.contiguous().index_select(0, token_M)  # the one [M, D] buffer of the backward
         grad_w = None

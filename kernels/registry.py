@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from kernels import fla
 from kernels.config import AUTO, FLA, KernelConfig, plugin_names
-from models.layers import apply_rotary, rms_norm, swiglu
+from kernels.linear_cross_entropy import softmax_cross_entropy_
+from models.layers import apply_rotary, packed_swiglu, rms_norm, swiglu
 from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.qwen3_5_moe.layers import gated_rms_norm, offset_rms_norm
 from training import device
@@ -104,7 +105,8 @@ def _fla_chunk_unavailable(env: Env) -> str | None:
 
 
 _TRITON_MODULES = {"rms_norm": "kernels.triton_norm", "offset_rms_norm": "kernels.triton_norm",
-                   "gated_rms_norm": "kernels.triton_norm", "swiglu": "kernels.triton_swiglu"}
+                   "gated_rms_norm": "kernels.triton_norm", "swiglu": "kernels.triton_swiglu",
+                   "packed_swiglu": "kernels.triton_swiglu"}
 
 
 def _auto(op: str, reference: Callable) -> OpSpec:
@@ -123,7 +125,11 @@ OPS: dict[str, OpSpec] = {
     "offset_rms_norm": _auto("offset_rms_norm", offset_rms_norm),
     "gated_rms_norm": _auto("gated_rms_norm", gated_rms_norm),
     "swiglu": _auto("swiglu", swiglu),
+    "packed_swiglu": _auto("packed_swiglu", packed_swiglu),
+    "softmax_cross_entropy": OpSpec(AUTO, lambda cfg: softmax_cross_entropy_, (
+        Impl("triton", ("cuda",), _lazy("kernels.triton_cross_entropy", "softmax_cross_entropy_"), _needs_triton),)),
     "apply_rotary": OpSpec(AUTO, lambda cfg: apply_rotary, (
+        Impl("triton", ("cuda",), _lazy("kernels.triton_rotary", "apply_rotary"), _needs_triton),
         Impl("torch_npu", ("npu",), _lazy("kernels.npu", "apply_rotary"), _needs_torch_npu),)),
     "chunk_gated_delta_rule": OpSpec(
         FLA, lambda cfg: functools.partial(chunk_gated_delta_rule, chunk_size=cfg.chunk_size),

@@ -36,6 +36,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def packed_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a packed [..., 2I] projection whose halves are [gate | up] (fused experts)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     """``w * x / rms(x)`` with the normalisation in fp32, as transformers' Qwen3 RMSNorm."""
 

@@ -8,12 +8,14 @@ and ``parallelisms/`` swaps in an expert-parallel dispatcher (all-to-all) withou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, ClassVar, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.grouped_mm import grouped_mm
+from models.layers import packed_swiglu
 
 
 @dataclass
@@ -88,12 +90,15 @@ class GroupedExperts(nn.Module):
     """SwiGLU experts stored fused as in transformers 5: gate_up_proj [E, 2I, D] (rows [gate; up]) and
     down_proj [E, D, I]. Under expert parallelism E is the local expert count."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"act_fn": "packed_swiglu"}
+
     def __init__(self, num_experts: int, dim: int, intermediate: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
         self.dispatcher = LocalDispatcher()
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = packed_swiglu
 
     def forward(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         return self.dispatcher(self, x_ND, experts_NK, weights_NK)
@@ -101,8 +106,7 @@ class GroupedExperts(nn.Module):
     def compute(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows of x_MD sorted by local expert (``counts_E`` each) -> expert outputs, same order."""
         gate_up_M2I = grouped_mm(x_MD, self.gate_up_proj.transpose(-2, -1), counts_E)
-        gate_MI, up_MI = gate_up_M2I.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate_MI) * up_MI, self.down_proj.transpose(-2, -1), counts_E)
+        return grouped_mm(self.act_fn(gate_up_M2I), self.down_proj.transpose(-2, -1), counts_E)
 
 
 class SparseMoeBlock(nn.Module):

@@ -25,18 +25,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
+    cell_dir = out / f"{layout}-{dispatcher}"
     overrides = [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
                  f"dispatcher={dispatcher}", "data=tokens", f"data.path={tokens}", f"data.seq_len={args.seq_len}",
                  f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
-                 f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
-                 "train.save_final=false", "logging.tensorboard=false", *args.extra]
+                 f"train.steps={args.steps}", f"train.output_dir={cell_dir}", "train.save_final=false",
+                 "logging.tensorboard=false", f"logging.profile_step={args.profile_step}", "logging.profile_steps=1",
+                 *args.extra]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
                 if args.nproc > 1 else [sys.executable])
+    summary = cell_dir / "profile" / "summary_rank0.md"
+    summary.unlink(missing_ok=True)  # an earlier run's summary must not pass for this one's
     result = subprocess.run([*launcher, str(REPO / "train.py"), *overrides], cwd=REPO)
+    if summary.exists():
+        print(summary.read_text())
     if result.returncode != 0:
         return {"layout": layout, "dispatcher": dispatcher, "error": f"exit code {result.returncode}"}
-    metrics = [json.loads(line) for line in (out / f"{layout}-{dispatcher}" / "metrics.jsonl").open()]
-    timed = metrics[args.warmup:] or metrics
+    metrics = [json.loads(line) for line in (cell_dir / "metrics.jsonl").open()]
+    # The profiled step runs slower (the profiler's own overhead): it is not averaged.
+    timed = [m for m in metrics[args.warmup:] if m["step"] != args.profile_step] or metrics
     mean = lambda key: float(np.mean([m[key] for m in timed]))  # noqa: E731
     tps = mean("tokens_per_s_per_device")
     mfu = mean("mfu") if timed[0]["mfu"] is not None else None
@@ -58,6 +65,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
     parser.add_argument("--vocab", type=int, default=151643, help="token ids are drawn below this")
+    parser.add_argument("--profile-step", type=int, default=0,
+                        help="profile this step (not averaged) and print each cell's summary")
     parser.add_argument("extra", nargs="*", help="more train.py overrides")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

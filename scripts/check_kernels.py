@@ -48,6 +48,7 @@ class Case:
     call: Callable[[Callable, Inputs], torch.Tensor]  # how the model calls the op; returns the output checked
     tol: float
     backward: bool = True
+    constants: tuple[str, ...] = ()  # inputs the model never differentiates (rotary tables): no gradient checked
 
 
 def _randn(gen: torch.Generator, dev: torch.device, *shape: int, scale: float = 1.0, shift: float = 0.0,
@@ -70,10 +71,11 @@ def _norm_case(name: str, shape: tuple[int, ...], w_shift: float, gated: bool = 
 def _rotary_case(name: str, B: int, H: int, T: int, head_dim: int, rotary_dim: int) -> Case:
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
         angle_BTr = torch.rand(B, T, rotary_dim, generator=gen, device=dev) * 6.3
-        return {"x": _randn(gen, dev, B, H, T, head_dim), "cos": angle_BTr.cos().bfloat16(),
+        # q / k as the model passes them: [B, T, H, Dh] projections viewed as [B, H, T, Dh]
+        return {"x": _randn(gen, dev, B, T, H, head_dim).transpose(1, 2), "cos": angle_BTr.cos().bfloat16(),
                 "sin": angle_BTr.sin().bfloat16()}
 
-    return Case(name, make, lambda fn, t: fn(t["x"], t["cos"], t["sin"]), TOL_ELEMENTWISE)
+    return Case(name, make, lambda fn, t: fn(t["x"], t["cos"], t["sin"]), TOL_ELEMENTWISE, constants=("cos", "sin"))
 
 
 def _delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int) -> Inputs:
@@ -89,6 +91,28 @@ def _delta_call(fn: Callable, t: Inputs) -> torch.Tensor:
     return fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], use_qk_l2norm_in_kernel=True)[0]
 
 
+def _ce_labels(logits: torch.Tensor) -> torch.Tensor:
+    rows, vocab = logits.shape
+    labels = torch.arange(rows, device=logits.device) * 7919 % vocab
+    return labels.masked_fill(labels % 10 == 0, -100)  # some ignored rows
+
+
+def _ce_loss(fn: Callable, t: Inputs) -> torch.Tensor:
+    return fn(t["logits"].clone(), _ce_labels(t["logits"]))
+
+
+def _ce_grad(fn: Callable, t: Inputs) -> torch.Tensor:
+    buffer = t["logits"].clone()
+    fn(buffer, _ce_labels(buffer))
+    return buffer
+
+
+def _ce_case(name: str, call: Callable[[Callable, Inputs], torch.Tensor]) -> Case:
+    # No autograd: the op returns the loss and writes the logit gradient in place (both checked as outputs).
+    return Case(name, lambda gen, dev: {"logits": _randn(gen, dev, 2048, 151936, scale=4.0)}, call, TOL_ELEMENTWISE,
+                backward=False)
+
+
 CASES: dict[str, list[Case]] = {
     "rms_norm": [_norm_case("qwen3 hidden 2048", (4 * 4096, 2048), 1.0),
                  _norm_case("qwen3 q_norm 32 x 128", (4, 4096, 32, 128), 1.0)],
@@ -98,6 +122,11 @@ CASES: dict[str, list[Case]] = {
     "swiglu": [Case("qwen3.5 shared expert 512",
                     lambda gen, dev: {"gate": _randn(gen, dev, 4 * 4096, 512), "up": _randn(gen, dev, 4 * 4096, 512)},
                     lambda fn, t: fn(t["gate"], t["up"]), TOL_ELEMENTWISE)],
+    "softmax_cross_entropy": [_ce_case("qwen3 vocab 151936, loss", _ce_loss),
+                              _ce_case("qwen3 vocab 151936, grad", _ce_grad)],
+    "packed_swiglu": [Case("qwen3 experts 65536 rows x 2 x 768",
+                           lambda gen, dev: {"gate_up": _randn(gen, dev, 65536, 2 * 768)},
+                           lambda fn, t: fn(t["gate_up"]), TOL_ELEMENTWISE)],
     "apply_rotary": [_rotary_case("qwen3.5 16 x 256, 64 rotary", 4, 16, 4096, 256, 64),
                      _rotary_case("qwen3 32 x 128, full", 4, 32, 4096, 128, 128)],
     "chunk_gated_delta_rule": [Case("qwen3.5 2 x 4096", lambda gen, dev: _delta_inputs(gen, dev, 2, 4096),
@@ -110,25 +139,27 @@ CASES: dict[str, list[Case]] = {
 
 def _run(fn: Callable, case: Case, inputs: Inputs, grad_out: torch.Tensor | None) -> list[torch.Tensor]:
     """The output and (if ``grad_out``) every input's gradient, in fp32."""
-    leaves = {name: t.detach().clone().requires_grad_(grad_out is not None) for name, t in inputs.items()}
+    leaves = {name: t.detach().clone().requires_grad_(grad_out is not None and name not in case.constants)
+              for name, t in inputs.items()}
     out = case.call(fn, leaves)
     if grad_out is None:
         return [out.detach().float()]
     out.backward(grad_out.to(out.dtype))
-    return [out.detach().float(), *(leaf.grad.float() for leaf in leaves.values())]
+    return [out.detach().float(), *(leaf.grad.float() for name, leaf in leaves.items() if name not in case.constants)]
 
 
 def _time_ms(dev_type: str, fn: Callable, case: Case, inputs: Inputs, grad_out: torch.Tensor | None) -> float:
     """Mean time of one call (and backward, with ``grad_out``) over 20 back-to-back runs, as a training step issues
     them: the host is not synchronised in between, so a kernel's launch overhead counts only where it exceeds the
     device time."""
-    leaves = [t.detach().requires_grad_(grad_out is not None) for t in inputs.values()]
+    leaves = [t.detach().requires_grad_(grad_out is not None and name not in case.constants)
+              for name, t in inputs.items()]
     named = dict(zip(inputs, leaves))
 
     def step() -> None:
         out = case.call(fn, named)
         if grad_out is not None:
-            torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+            torch.autograd.grad(out, [leaf for leaf in leaves if leaf.requires_grad], grad_out.to(out.dtype))
 
     mod = device.module(dev_type)
     for _ in range(3):
@@ -154,7 +185,7 @@ def check_case(op: str, kernel: Callable, reference: Callable, case: Case, dev: 
     ref32 = _run(reference, case, {k: v.float() for k, v in inputs.items()}, grad_out)
     ref16 = _run(reference, case, inputs, grad_out)
     got = _run(kernel, case, inputs, grad_out)
-    names = ["out", *(f"d{name}" for name in inputs)] if case.backward else ["out"]
+    names = ["out", *(f"d{name}" for name in inputs if name not in case.constants)] if case.backward else ["out"]
     ok = True
     for name, g, r16, r32 in zip(names, got, ref16, ref32):
         err, err16 = _rel(g, r32), _rel(r16, r32)

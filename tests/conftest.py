@@ -27,15 +27,17 @@ def compose_config(overrides: list[str]) -> TrainConfig:
         return to_train_config(compose(config_name="config", overrides=overrides))
 
 
-def our_loss_like_transformers(out, input_ids_BT: torch.Tensor, num_experts: int, aux_coef: float) -> torch.Tensor:
-    """Our loss for what transformers computes with ``labels=input_ids`` and output_router_logits: mean token
-    cross-entropy (transformers shifts the labels itself; we pass them shifted, with nothing to predict after
-    the last token) + coef x Switch aux loss."""
-    from training.loss import IGNORE_INDEX, aux_loss_share, cross_entropy_sum
+def our_loss_like_transformers(model, input_ids_BT: torch.Tensor, num_experts: int, aux_coef: float):
+    """(loss, output) of our model for what transformers computes with ``labels=input_ids`` and
+    output_router_logits: mean token cross-entropy (transformers shifts the labels itself; we pass them
+    shifted, with nothing to predict after the last token) + coef x Switch aux loss. The cross-entropy goes
+    through the chunked LM head + loss that training uses."""
+    from training.loss import IGNORE_INDEX, aux_loss_share
 
     labels_BT = torch.cat([input_ids_BT[:, 1:], torch.full_like(input_ids_BT[:, :1], IGNORE_INDEX)], dim=1)
-    ce = cross_entropy_sum(out.logits, labels_BT) / (labels_BT != IGNORE_INDEX).sum()
-    return ce + aux_coef * aux_loss_share(out.router_stats, num_experts)
+    out = model(input_ids_BT, labels_BT=labels_BT)
+    ce = out.loss_sum / (labels_BT != IGNORE_INDEX).sum()
+    return ce + aux_coef * aux_loss_share(out.router_stats, num_experts), out
 
 
 def write_tokens(path: Path, num_tokens: int, vocab_size: int = 256, seed: int = 0) -> Path:

@@ -110,13 +110,13 @@ def synthetic_batches(steps: int, global_batch: int, seq_len: int, vocab_size: i
 def loss_share(model: torch.nn.Module, dims, tokens_GT1: torch.Tensor) -> torch.Tensor:
     """This rank's share of the global loss on its dp slice of the global batch, normalised as train.py does
     (by the global token count; the aux loss from globally reduced routing counts)."""
-    from training.loss import aux_loss_share, cross_entropy_sum
+    from training.loss import aux_loss_share
 
     rows = tokens_GT1.shape[0] // dims.dp
     tokens_BT1 = tokens_GT1[dims.dp_rank * rows:(dims.dp_rank + 1) * rows]
     labels_BT = tokens_BT1[:, 1:]
-    out = model(tokens_BT1[:, :-1])
-    ce = cross_entropy_sum(out.logits, labels_BT) / labels_BT.numel() / dims.dp
+    out = model(tokens_BT1[:, :-1], labels_BT=labels_BT)
+    ce = out.loss_sum / labels_BT.numel() / dims.dp
     args = model.args
     return ce + args.router_aux_loss_coef * aux_loss_share(out.router_stats, args.num_experts, dims.data_group)
 

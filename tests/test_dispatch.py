@@ -36,17 +36,24 @@ def _routing(case: str, ep_rank: int, ep: int, seed: int) -> torch.Tensor:
         "zero_token_experts": torch.tensor([0, 3, 6]),  # the other experts get nothing, on every rank
         "local_only": torch.arange(ep_rank * local, (ep_rank + 1) * local),  # nothing crosses ranks
         "all_to_rank_0": torch.arange(local),  # every rank sends everything to ep rank 0, the others idle
+        "next_rank": torch.arange((ep_rank + 1) % ep * local, ((ep_rank + 1) % ep + 1) * local),  # all K remote
     }[case]
     n = 7 + ep_rank
     return torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(n)])
 
 
-CASES = ["random", "empty_rank", "zero_token_experts", "local_only", "all_to_rank_0"]
+CASES = ["random", "empty_rank", "zero_token_experts", "local_only", "all_to_rank_0", "next_rank"]
 
 
 def _experts_NK(case: str, ep_rank: int, ep: int, seed: int) -> torch.Tensor:
+    """A routing case, or one of the variants: a single token, top-1, top-4 (several experts per rank)."""
     if case == "one_token":
         return _routing("random", ep_rank, ep, seed)[:1]
+    if case == "top1":
+        return _routing("random", ep_rank, ep, seed)[:, :1]
+    if case == "top4":
+        g = torch.Generator().manual_seed(seed)
+        return torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(7 + ep_rank)])
     return _routing(case, ep_rank, ep, seed)
 
 
@@ -55,7 +62,7 @@ def _errors(reference: GroupedExperts, sharded: GroupedExperts, ep_mesh, rank: i
     ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
     experts_NK = _experts_NK(case, ep_rank, ep, seed=rank)
     g = torch.Generator().manual_seed(100 + rank)
-    x_ND, weights_NK = torch.randn(len(experts_NK), D, generator=g), torch.rand(len(experts_NK), K, generator=g)
+    x_ND, weights_NK = torch.randn(len(experts_NK), D, generator=g), torch.rand(*experts_NK.shape, generator=g)
     probe_ND = torch.randn(len(experts_NK), D, generator=g)
     runs = []
     for module in (reference, sharded):
@@ -108,5 +115,6 @@ def test_eager_dispatch_matches_local_dispatch(dispatch_errors, ep, case):
 
 def test_unknown_dispatchers_fail_by_name():
     assert dispatcher_class("eager") is EagerDispatcher
-    with pytest.raises(ValueError, match=r"ep_dispatcher='eagre' is unknown; implemented: eager, fused, domino, mc2"):
+    with pytest.raises(ValueError,
+                       match=r"ep_dispatcher='eagre' is unknown; implemented: eager, fused, domino, mc2, dedup"):
         dispatcher_class("eagre")

@@ -1,14 +1,17 @@
-"""The fused, domino and mc2 EP dispatchers against the single-rank LocalDispatcher, and end to end against eager.
+"""The fused, domino, dedup and mc2 EP dispatchers against the single-rank LocalDispatcher, and end to end against
+eager.
 
 Dispatch level (as tests/test_dispatch.py, whose routing cases it reuses): outputs, input and router-weight
 gradients, and expert gradients (summed over the ep group) on 2 and 4 gloo ranks, with experts that get no
-token, a rank with no token at all, a rank receiving nothing, odd token counts (domino splits 7 tokens into
-4 + 3) and a single token (halves of 1 and 0). The NPU paths run with a fake ``torch_npu`` whose
+token, a rank with no token at all, a rank receiving nothing, tokens whose K experts all sit on one (other)
+rank, odd token counts (domino splits 7 tokens into 4 + 3), a single token (halves of 1 and 0), top-1 and
+top-4. dedup's dispatch and combine move one row per distinct (token, rank) pair, fewer than fused's one per
+(token, k). The NPU paths run with a fake ``torch_npu`` whose
 ops follow the torch_npu docs in plain torch (so this checks our glue: count directions, weight layouts,
 the backward pairing of the MC2 ops; the real kernels need an Ascend machine).
-End to end: the debug model, 3 steps under ep2, dispatcher=fused / domino (also under selective and full activation
-checkpointing) log the loss and grad norm of dispatcher=eager: fp32 to rel 1e-5 (summation order only), and
-close to eager's in bf16.
+End to end: the debug model, 3 steps under ep2, dispatcher=fused / domino / dedup (also under selective and full
+activation checkpointing) log the loss and grad norm of dispatcher=eager: fp32 to rel 1e-5 (summation order
+only), and close to eager's in bf16.
 """
 
 from __future__ import annotations
@@ -27,20 +30,24 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import train
 from models.moe import GroupedExperts
-from parallelisms.dispatchers import DominoDispatcher, FusedDispatcher, Mc2Dispatcher, dispatcher_class
+from parallelisms.dispatchers import DedupDispatcher, DominoDispatcher, FusedDispatcher, Mc2Dispatcher, dispatcher_class
 from parallelisms.dispatchers import local_ops as local_ops_module
-from parallelisms.dispatchers import domino, mc2, npu
+from parallelisms.dispatchers import dedup, domino, fused, mc2, npu
 from parallelisms.dispatchers.common import Splits, group_device_type
 from parallelisms.expert_parallel import apply_expert_parallel
 from tests.dist_utils import run_distributed
 from tests.test_dispatch import CASES, D, E, I, K, _errors, _experts_NK
 from tests.test_parallel_train import train_config, write_inputs
 
-ROUTINGS = [*CASES, "one_token"]
+ROUTINGS = [*CASES, "one_token", "top1", "top4"]
+NPU_ROUTINGS = [case for case in ROUTINGS if case != "top1"]  # MC2 takes top-k 2..8
 E2E_RUNS = {"fused": ["dispatcher=fused"], "domino": ["dispatcher=domino"],
             "domino_selective_ac": ["dispatcher=domino", "parallel.activation_checkpoint=selective"],
-            "domino_full_ac": ["dispatcher=domino", "parallel.activation_checkpoint=full"]}
-BF16_RUNS = ["eager", "fused", "domino"]  # FSDP2 bf16 params: dtype handling of the custom autograd functions
+            "domino_full_ac": ["dispatcher=domino", "parallel.activation_checkpoint=full"],
+            "dedup": ["dispatcher=dedup"],
+            "dedup_selective_ac": ["dispatcher=dedup", "parallel.activation_checkpoint=selective"],
+            "dedup_full_ac": ["dispatcher=dedup", "parallel.activation_checkpoint=full"]}
+BF16_RUNS = ["eager", "fused", "domino", "dedup"]  # FSDP2 bf16 params: dtype handling of the custom autograd functions
 
 
 # ----------------------------------------------------------------------------- a fake torch_npu (plain torch)
@@ -128,7 +135,7 @@ def _install_fake_npu(groups: dict[str, dist.ProcessGroup] | None = None) -> typ
 
 # ----------------------------------------------------------------------------- dispatch-level comparisons
 
-def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: list[int]) -> dict:
+def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: list[int], routings: list[str]) -> dict:
     """{(dispatcher, ep, case, rank): errors}, gathered from every rank. Names ending in _npu run on the fake
     torch_npu (device_type='npu' on gloo)."""
     torch.manual_seed(0)
@@ -144,7 +151,7 @@ def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: li
             if name.endswith("_npu"):
                 sharded.dispatcher = dispatcher_class(name.removesuffix("_npu"))(ep_mesh.get_group(), E,
                                                                                   device_type="npu")
-            for case in ROUTINGS:
+            for case in routings:
                 errors[(name, ep, case, rank)] = _errors(reference, sharded, ep_mesh, rank, case)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, errors)
@@ -183,11 +190,46 @@ def _domino_schedule(ep_mesh) -> list[str]:
     return events
 
 
+def _rows_sent(ep_mesh) -> list[dict]:
+    """Per rank, on a top-4 routing (most tokens have several experts on each rank): the rows fused and dedup
+    send to each rank in the dispatch, and receive in the combine (split sizes of the recorded all-to-alls of
+    the hidden rows), with the routed slots and the distinct (token, rank) pairs to each rank."""
+    ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    experts_NK = _experts_NK("top4", ep_rank, ep, seed=ep_rank)
+    rank_NK = experts_NK // (E // ep)
+    result = {"slots": [int((rank_NK == p).sum()) for p in range(ep)],
+              "pairs": [int((rank_NK == p).any(1).sum()) for p in range(ep)]}
+    for name, module in (("fused", fused), ("dedup", dedup)):
+        calls, original = [], module.all_to_all_single_autograd
+
+        def recording(x, output_split_sizes, input_split_sizes, group):
+            if x.shape[1] == D:  # the hidden rows, not dedup's router weights
+                calls.append((list(input_split_sizes), list(output_split_sizes)))
+            return original(x, output_split_sizes, input_split_sizes, group)
+
+        torch.manual_seed(0)
+        experts = GroupedExperts(E, D, I)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        apply_expert_parallel(experts, ep_mesh, name)
+        module.all_to_all_single_autograd = recording
+        try:
+            experts(torch.randn(len(experts_NK), D), experts_NK, torch.rand(*experts_NK.shape))
+        finally:
+            module.all_to_all_single_autograd = original
+        (dispatch_send, _), (_, combine_recv) = calls
+        result[name] = {"dispatch": dispatch_send, "combine": combine_recv}
+    gathered = [None] * ep
+    dist.all_gather_object(gathered, result, group=ep_mesh.get_group())
+    return gathered
+
+
 def _two_rank_worker(rank: int, world_size: int, cfgs: dict) -> dict:
-    """Everything that needs 2 ranks, in one spawn: domino's backward schedule, mc2's refusal on gloo, the
-    NPU paths on the fake torch_npu, and the end-to-end runs."""
+    """Everything that needs 2 ranks, in one spawn: domino's backward schedule, the rows fused and dedup send,
+    mc2's refusal on gloo (and dedup's on NPU), the NPU paths on the fake torch_npu, and the end-to-end runs."""
     ep_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-    result = {"device_type": group_device_type(ep_mesh.get_group()), "domino_schedule": _domino_schedule(ep_mesh)}
+    result = {"device_type": group_device_type(ep_mesh.get_group()), "domino_schedule": _domino_schedule(ep_mesh),
+              "rows_sent": _rows_sent(ep_mesh)}
     try:
         apply_expert_parallel(GroupedExperts(E, D, I), ep_mesh, "mc2")
         result["mc2_on_cpu"] = "no error"
@@ -199,7 +241,12 @@ def _two_rank_worker(rank: int, world_size: int, cfgs: dict) -> dict:
         result["mc2_on_cpu_with_torch_npu"] = "no error"
     except RuntimeError as error:
         result["mc2_on_cpu_with_torch_npu"] = str(error)
-    result["dispatch"] = _dispatch_errors(rank, world_size, ["fused_npu", "domino_npu", "mc2_npu"], [2])
+    try:
+        DedupDispatcher(ep_mesh.get_group(), E, device_type="npu")
+        result["dedup_on_npu"] = "no error"
+    except NotImplementedError as error:
+        result["dedup_on_npu"] = str(error)
+    result["dispatch"] = _dispatch_errors(rank, world_size, ["fused_npu", "domino_npu", "mc2_npu"], [2], NPU_ROUTINGS)
     result["npu_calls"] = dict(fake.calls)
     del sys.modules["torch_npu"]
     result["train"] = {name: train.run(cfg) for name, cfg in cfgs.items()}
@@ -207,7 +254,7 @@ def _two_rank_worker(rank: int, world_size: int, cfgs: dict) -> dict:
 
 
 def _four_rank_worker(rank: int, world_size: int) -> dict:
-    return _dispatch_errors(rank, world_size, ["fused", "domino"], [4, 2])
+    return _dispatch_errors(rank, world_size, ["fused", "domino", "dedup"], [4, 2], ROUTINGS)
 
 
 @pytest.fixture(scope="module")
@@ -235,12 +282,12 @@ def _check(errors: dict, name: str, ep: int, case: str, world: int) -> None:
 
 @pytest.mark.parametrize("ep", [4, 2])
 @pytest.mark.parametrize("case", ROUTINGS)
-@pytest.mark.parametrize("name", ["fused", "domino"])
+@pytest.mark.parametrize("name", ["fused", "domino", "dedup"])
 def test_dispatcher_matches_local_dispatch_on_4_ranks(four_ranks, name, ep, case):
     _check(four_ranks, name, ep, case, 4)
 
 
-@pytest.mark.parametrize("case", ROUTINGS)
+@pytest.mark.parametrize("case", NPU_ROUTINGS)
 @pytest.mark.parametrize("name", ["fused_npu", "domino_npu", "mc2_npu"])
 def test_npu_paths_match_local_dispatch_on_fake_torch_npu(two_ranks, name, case):
     _check(two_ranks["dispatch"], name, 2, case, 2)
@@ -262,6 +309,18 @@ def test_domino_backward_overlaps_each_half_s_experts_with_the_other_half_s_all_
         "send dispatch 0", "wait dispatch 1", "wait dispatch 0"]
 
 
+def test_dedup_sends_one_row_per_token_and_rank(two_ranks):
+    for rank, rows in enumerate(two_ranks["rows_sent"]):
+        assert rows["dedup"]["dispatch"] == rows["dedup"]["combine"] == rows["pairs"], rank
+        assert rows["fused"]["dispatch"] == rows["fused"]["combine"] == rows["slots"], rank
+        crossing = {name: sum(rows[name]["dispatch"]) - rows[name]["dispatch"][rank] for name in ("fused", "dedup")}
+        assert 0 < crossing["dedup"] < crossing["fused"], (rank, crossing)
+
+
+def test_dedup_refuses_npu(two_ranks):
+    assert two_ranks["dedup_on_npu"] == dedup.NOT_ON_NPU == "dispatcher=dedup runs on CUDA/CPU; on NPU use fused or mc2"
+
+
 def test_mc2_refuses_to_build_off_npu(two_ranks):
     assert two_ranks["device_type"] == "cpu"
     assert two_ranks["mc2_on_cpu"] == two_ranks["mc2_on_cpu_with_torch_npu"] == mc2.NEEDS_NPU
@@ -277,7 +336,7 @@ def test_dispatcher_trains_like_eager(two_ranks, run):
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), f"step {g['step']}"
 
 
-@pytest.mark.parametrize("run", ["fused", "domino"])
+@pytest.mark.parametrize("run", ["fused", "domino", "dedup"])
 def test_dispatcher_trains_like_eager_in_bf16(two_ranks, run):
     eager, got = two_ranks["train"]["eager_bf16"], two_ranks["train"][f"{run}_bf16"]
     for g, w in zip(got, eager):
@@ -293,7 +352,8 @@ def test_registry_builds_every_named_dispatcher():
     assert dispatcher_class("fused") is FusedDispatcher
     assert dispatcher_class("domino") is DominoDispatcher
     assert dispatcher_class("mc2") is Mc2Dispatcher
-    with pytest.raises(ValueError, match=r"'deepep' is unknown; implemented: eager, fused, domino, mc2$"):
+    assert dispatcher_class("dedup") is DedupDispatcher
+    with pytest.raises(ValueError, match=r"'deepep' is unknown; implemented: eager, fused, domino, mc2, dedup$"):
         dispatcher_class("deepep")
 
 
@@ -329,7 +389,7 @@ def _sync_count_worker(rank: int, world_size: int) -> dict[str, int]:
     """Host syncs in one forward + backward of a MoE layer's dispatch on CUDA (bf16, NCCL), after a warm-up."""
     ep_mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("ep",))
     counts = {}
-    for name in ("eager", "fused", "domino"):
+    for name in ("eager", "fused", "domino", "dedup"):
         torch.manual_seed(0)
         experts = GroupedExperts(8, 64, 32).to("cuda", torch.bfloat16)
         for p in experts.parameters():
@@ -355,7 +415,7 @@ def _sync_count_worker(rank: int, world_size: int) -> dict[str, int]:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_fused_and_domino_sync_the_host_once_per_layer_on_gpu():
+def test_fused_domino_and_dedup_sync_the_host_once_per_layer_on_gpu():
     counts = run_distributed(_sync_count_worker, 2, backend="nccl")
     # The one sync: all_to_all_single's split sizes as Python ints. (eager also pays torch.bincount's two.)
-    assert counts["fused"] == counts["domino"] == 1, counts
+    assert counts["fused"] == counts["domino"] == counts["dedup"] == 1, counts

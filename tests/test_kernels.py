@@ -100,7 +100,8 @@ def test_hopper_with_bad_triton_falls_back_to_torch_with_a_warning(caplog: pytes
     assert "#640" in chunk.reason and "3.7.1" in chunk.reason and "triton 3.6.0" in chunk.reason
     # The recurrent kernel (forward only) is not affected; the auto ops get Triton kernels.
     assert kernels.choices["fused_recurrent_gated_delta_rule"].impl == "flash-linear-attention"
-    assert {kernels.choices[op].impl for op in ("rms_norm", "offset_rms_norm", "gated_rms_norm", "swiglu")} \
+    assert {kernels.choices[op].impl for op in ("rms_norm", "offset_rms_norm", "gated_rms_norm", "swiglu",
+                                                "packed_swiglu", "apply_rotary", "softmax_cross_entropy")} \
         == {"triton"}
     with caplog.at_level(logging.INFO):
         kernels.log(logging.getLogger("train"))
@@ -167,7 +168,9 @@ def test_torch_references_equal_the_models_built_in_ops(model_type: str, arch: d
     counts = apply_kernels(applied, select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cpu",
                                                    Env("cpu")))
     if model_type == "qwen3_moe":
-        assert counts == {"rms_norm": 2 * 4 + 1}  # per layer: input, post-attention, q and k norms; final norm
+        # per layer: input, post-attention, q and k norms; final norm; rotary per attention; the experts'
+        # activation; the LM head's CE
+        assert counts == {"rms_norm": 2 * 4 + 1, "apply_rotary": 2, "packed_swiglu": 2, "softmax_cross_entropy": 1}
     else:
         assert counts["chunk_gated_delta_rule"] == 2 and counts["gated_rms_norm"] == 2 and counts["swiglu"] == 4
     for a, b in zip(_logits_and_grads(model), _logits_and_grads(applied)):
@@ -228,18 +231,20 @@ def fake_torch_npu(monkeypatch: pytest.MonkeyPatch) -> FakeTorchNpu:
 
 
 @pytest.mark.parametrize("model_type, arch, ops", [
-    ("qwen3_5_moe", QWEN35, {"npu_rms_norm": 2 * 4 + 2 * 2 + 1 + 2, "npu_swiglu": 4, "npu_rotary_mul": 2 * 2}),
-    ("qwen3_moe", QWEN3, {"npu_rms_norm": 2 * 4 + 1}),
+    ("qwen3_5_moe", QWEN35, {"npu_rms_norm": 2 * 4 + 2 * 2 + 1 + 2, "npu_swiglu": 4 + 4, "npu_rotary_mul": 2 * 2}),
+    ("qwen3_moe", QWEN3, {"npu_rms_norm": 2 * 4 + 1, "npu_rotary_mul": 2 * 2, "npu_swiglu": 2}),
 ])
 def test_npu_gets_torch_npu_ops(fake_torch_npu: FakeTorchNpu, model_type: str, arch: dict, ops: dict) -> None:
     kernels = select_kernels(KernelConfig(name="auto"), "npu", Env("npu", has_torch_npu=True))
-    assert {kernels.choices[op].impl for op in AUTO_OPS} == {"torch_npu"}
+    # Every auto op but the LM head's cross-entropy step (Triton on CUDA only) has a torch_npu kernel.
+    assert {kernels.choices[op].impl for op in AUTO_OPS if op != "softmax_cross_entropy"} == {"torch_npu"}
+    assert kernels.choices["softmax_cross_entropy"].impl == "torch"
     model = _model(model_type, arch)
     applied = copy.deepcopy(model)
     apply_kernels(applied, kernels)
     input_ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
     ref, got = model(input_ids).logits, applied(input_ids).logits
-    assert fake_torch_npu.calls == ops  # per forward: every norm, the shared experts, q and k rotary
+    assert fake_torch_npu.calls == ops  # per forward: every norm, shared and routed experts, q and k rotary
     # fp32: the wrappers compute what the references do, up to reordering.
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 

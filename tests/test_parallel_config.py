@@ -94,7 +94,7 @@ def test_backend_config_is_strict_about_unknown_keys():
     (dict(mp_replicate_size=3), 8, ValueError, r"parallel.mp_replicate_size=3 must divide the world size 8"),
     (dict(mp_replicate_size=2, mp_shard_size=8), 8, ValueError, r"parallel.mp_shard_size=8 must equal .* = 4"),
     (dict(name="megatron"), 8, ValueError, r"parallel.backend.name='megatron' is unknown; choose one of none, ddp"),
-    (dict(ep_dispatcher="deepep"), 8, ValueError, r"ep_dispatcher='deepep' is unknown; implemented: eager, fused, domino, mc2"),
+    (dict(ep_dispatcher="deepep"), 8, ValueError, r"ep_dispatcher='deepep' is unknown; implemented: eager, fused, domino, mc2, dedup"),
     (dict(activation_checkpoint="some"), 8, ValueError, r"parallel.activation_checkpoint='some' must be one of"),
     (dict(dist_timeout=0), 8, ValueError, r"parallel.dist_timeout=0 must be a positive"),
     (dict(), 1, ValueError, r"parallel.backend.name=fsdp2 needs more than one process \(WORLD_SIZE=1\)"),

@@ -70,8 +70,9 @@ def test_forward_loss_and_grads_match_transformers(chunk_size: int) -> None:
     ours, hf = _models(chunk_size)
     torch.manual_seed(1)
     input_ids_BT = torch.randint(0, ARCH["vocab_size"], (B, T))
-    out = ours(input_ids_BT)
-    loss = our_loss_like_transformers(out, input_ids_BT, ARCH["num_experts"], ARCH["router_aux_loss_coef"])
+    with torch.no_grad():
+        logits = ours(input_ids_BT).logits
+    loss, out = our_loss_like_transformers(ours, input_ids_BT, ARCH["num_experts"], ARCH["router_aux_loss_coef"])
     aux = aux_loss_share(out.router_stats, ARCH["num_experts"])
     loss.backward()
     ref = hf(input_ids=input_ids_BT, labels=input_ids_BT)  # output_router_logits: loss includes coef x aux
@@ -80,15 +81,19 @@ def test_forward_loss_and_grads_match_transformers(chunk_size: int) -> None:
     # Logits: 1e-5 relative (norm-wise). fp32 round-off of two layouts (and chunkings) of the same ops grows
     # through the layers, the per-token DeltaNet output norm scaling it up where the output is small; with logits
     # up to |3.5| single entries differ by up to 4e-5, the norm-wise error is <= 3e-6 (chunk 16), 1.4e-6 (64).
-    assert _rel_err(out.logits, ref.logits) < 1e-5
+    assert _rel_err(logits, ref.logits) < 1e-5
     # Loss and aux are means over all tokens, so the round-off averages out: 1e-5 absolute.
     torch.testing.assert_close(aux, ref.aux_loss, rtol=0, atol=1e-5)
     torch.testing.assert_close(loss, ref.loss, rtol=0, atol=1e-5)
     hf_params = dict(hf.named_parameters())
     assert set(hf_params) == {name for name, _ in ours.named_parameters()}
     errors = {name: _rel_err(p.grad, hf_params[name].grad) for name, p in ours.named_parameters()}
-    # Per parameter, norm-wise: <= 3e-5 measured (DeltaNet's A_log, dt_bias, in_proj_a).
-    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    # Per parameter, norm-wise: <= 2e-5 measured, except the per-head decay parameters of the DeltaNet
+    # layers (A_log, dt_bias): their gradients sum T x B terms of both signs, so round-off shows up to ~1.3e-4
+    # (reordering only the cross-entropy's fp32 sums, logits path vs chunked LM head, moves them by 7e-5).
+    decay = {name for name in errors if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias"))}
+    assert max(v for k, v in errors.items() if k not in decay) < 1e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert max(errors[k] for k in decay) < 3e-4, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
 
 
 @torch.no_grad()

@@ -71,6 +71,30 @@ def test_grad_accumulation_equals_the_larger_batch(tiny_run_config):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+def test_fused_adamw_trains_like_foreach_and_is_the_cuda_default(tiny_run_config):
+    from training.config import OptimConfig
+    from training.optim import use_fused
+
+    assert use_fused(OptimConfig(), "cuda") and not use_fused(OptimConfig(), "cpu")
+    assert not use_fused(OptimConfig(fused=False), "cuda") and use_fused(OptimConfig(fused=True), "cpu")
+    foreach = train.run(tiny_run_config("train.steps=3", "optim.fused=false"))
+    fused = train.run(tiny_run_config("train.steps=3", "optim.fused=true"))
+    for a, b in zip(foreach, fused):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_automatic_gc_is_off_during_the_loop_and_back_after(tiny_run_config, monkeypatch):
+    import gc
+
+    collected, seen_enabled = [], []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or 0)
+    step = train.train_step
+    monkeypatch.setattr(train, "train_step", lambda *a, **k: seen_enabled.append(gc.isenabled()) or step(*a, **k))
+    train.run(tiny_run_config("train.steps=5", "train.gc_every=2"))
+    assert seen_enabled == [False] * 5 and gc.isenabled()
+    assert collected == [2, 1, 1]  # a full collection before the loop, then steps 2 and 4
+
+
 def test_unknown_config_key_is_rejected_by_name():
     with pytest.raises(ConfigCompositionException, match="num_expert"):
         compose_config(["model.arch.num_expert=4"])

@@ -42,7 +42,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
-    fused: bool | None = None  # None: fused AdamW where the device supports it
+    fused: bool | None = None  # None: fused AdamW on CUDA, foreach elsewhere
 
 
 @dataclass
@@ -57,6 +57,7 @@ class TrainSection:
     save_final: bool = True  # write the final weights to <run_dir>/model.safetensors
     resume: str = "none"  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
     nonfinite: str = "stop"  # a non-finite loss or gradient norm: stop (raise with a report) | skip (no update)
+    gc_every: int = 50  # steps between manual Python GCs (automatic GC off during the loop); 0: automatic GC
 
 
 @dataclass
@@ -66,6 +67,9 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "qwen-moe"
     wandb_mode: str = "offline"  # offline | online
+    # 0: off; profile steps profile_step .. profile_step+profile_steps-1 (trace + summary in <run_dir>/profile)
+    profile_step: int = 0
+    profile_steps: int = 2
 
 
 @dataclass
@@ -118,6 +122,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.mixed_precision in ("auto", "bf16", "fp32"),
            f"train.mixed_precision={t.mixed_precision!r} must be auto, bf16 or fp32")
     _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r} must be stop or skip")
+    _check(t.gc_every >= 0, f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic GC)")
     _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: off)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     _check(cfg.launch.nproc_per_node >= 1, f"launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
@@ -128,6 +133,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.logging.log_every > 0, f"logging.log_every={cfg.logging.log_every} must be positive")
     _check(cfg.logging.wandb_mode in ("offline", "online"),
            f"logging.wandb_mode={cfg.logging.wandb_mode!r} must be offline or online")
+    _check(cfg.logging.profile_step >= 0, f"logging.profile_step={cfg.logging.profile_step} must be >= 0 (0: off)")
+    _check(cfg.logging.profile_step <= t.steps,
+           f"logging.profile_step={cfg.logging.profile_step} is past the last step (train.steps={t.steps})")
+    _check(cfg.logging.profile_steps >= 1, f"logging.profile_steps={cfg.logging.profile_steps} must be >= 1")
     m = cfg.model
     _check(m.model_type is not None or m.init_from is not None,
            "model.model_type is unset: pick a preset (model=qwen3_moe_debug) or give model.init_from=<hf dir>")

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.linear_cross_entropy import IGNORE_INDEX
 from training.tokenizer import QwenTokenizer
 
-IGNORE_INDEX = -100
 _NAMES = ("chitchat", "jsonl", "tokens")
 _TOKENIZERS = ("qwen3", "qwen3_5")
 _CACHE_VERSION = 1  # bump when the rendering of documents changes

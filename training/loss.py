@@ -8,17 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from kernels.linear_cross_entropy import IGNORE_INDEX
 from models.moe import RouterStats
 
-IGNORE_INDEX = -100
-
-
-def cross_entropy_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32 over labels != -100 (labels are already shifted)."""
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), labels_BT.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+__all__ = ["IGNORE_INDEX", "aux_loss_share"]  # the cross-entropy is the LM head's (models.causal_lm.LMHead)
 
 
 def aux_loss_share(stats: list[RouterStats], num_experts: int, group: dist.ProcessGroup | None = None

@@ -21,6 +21,7 @@ from models.qwen3_moe.args import Qwen3MoeArgs
 class Attention(nn.Module):
     """GQA with per-head RMSNorm on q and k before RoPE, through torch SDPA."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"rotary": "apply_rotary"}
     sequence_ops: ClassVar[Mapping[str, str]] = {"core_attention": "attention"}
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
@@ -34,6 +35,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.rotary = apply_rotary
 
     def forward(self, x_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor,
                 doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +43,7 @@ class Attention(nn.Module):
         q_BHTd = self.q_norm(self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHTd, k_BHTd = apply_rotary(q_BHTd, cos_BTd, sin_BTd), apply_rotary(k_BHTd, cos_BTd, sin_BTd)
+        q_BHTd, k_BHTd = self.rotary(q_BHTd, cos_BTd, sin_BTd), self.rotary(k_BHTd, cos_BTd, sin_BTd)
         o_BHTd = self.core_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT)
         return self.o_proj(o_BHTd.transpose(1, 2).reshape(B, T, -1))
 

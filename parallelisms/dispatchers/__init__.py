@@ -6,13 +6,14 @@ rank that holds its expert, runs the local experts, and brings the outputs back.
 
 from __future__ import annotations
 
+from parallelisms.dispatchers.dedup import DedupDispatcher
 from parallelisms.dispatchers.domino import DominoDispatcher
 from parallelisms.dispatchers.eager import EagerDispatcher
 from parallelisms.dispatchers.fused import FusedDispatcher
 from parallelisms.dispatchers.mc2 import Mc2Dispatcher
 
 IMPLEMENTED: dict[str, type] = {"eager": EagerDispatcher, "fused": FusedDispatcher, "domino": DominoDispatcher,
-                                "mc2": Mc2Dispatcher}
+                                "mc2": Mc2Dispatcher, "dedup": DedupDispatcher}
 # Named by the design but not built yet, each arriving with its own issue.
 PLANNED: tuple[str, ...] = ()
 
@@ -28,5 +29,5 @@ def dispatcher_class(name: str) -> type:
                      f"{planned}")
 
 
-__all__ = ["DominoDispatcher", "EagerDispatcher", "FusedDispatcher", "IMPLEMENTED", "Mc2Dispatcher", "PLANNED",
-           "dispatcher_class"]
+__all__ = ["DedupDispatcher", "DominoDispatcher", "EagerDispatcher", "FusedDispatcher", "IMPLEMENTED", "Mc2Dispatcher",
+           "PLANNED", "dispatcher_class"]

@@ -80,9 +80,10 @@ def expert_order(recv_counts_PL: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def local_experts(experts: GroupedExperts) -> SimpleNamespace:
     """This rank's expert weights as local [L, ...] tensors, in a stand-in for ``self`` of
-    ``GroupedExperts.compute``. Under EP the weights are DTensors of global shape [E, ...] (Shard(0) on the ep
-    mesh), so checkpoints and loaders see whole tensors; the grouped GEMM needs the local blocks, and the
-    gradient flows from them back into the DTensors.
+    ``GroupedExperts.compute`` (with its activation kernel slot). Under EP the weights are DTensors of global
+    shape [E, ...] (Shard(0) on the ep mesh), so checkpoints and loaders see whole tensors; the grouped GEMM
+    needs the local blocks, and the gradient flows from them back into the DTensors.
     TODO: a ``compute`` taking the weights as arguments would remove this stand-in for ``self``."""
-    return SimpleNamespace(**{name: p.to_local() if isinstance(p, DTensor) else p
-                              for name, p in experts.named_parameters(recurse=False)})
+    weights = {name: p.to_local() if isinstance(p, DTensor) else p
+               for name, p in experts.named_parameters(recurse=False)}
+    return SimpleNamespace(**weights, act_fn=experts.act_fn)  # the kernel slot the registry filled

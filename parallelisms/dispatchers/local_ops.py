@@ -1,5 +1,6 @@
 """The local halves of a dispatch, per device: permute the routed rows into expert order, run this rank's
-experts on what arrived, unpermute with the router weights. ``fused`` and ``domino`` share them.
+experts on what arrived, unpermute with the router weights. ``fused`` and ``domino`` share them; ``dedup`` uses
+``TorchOps.compute``.
 
 ``TorchOps`` (CPU, CUDA): the gathers of ``kernels.permute`` and ``GroupedExperts.compute`` (torch._grouped_mm,
 which handles experts without rows exactly, so no fallback is needed). ``NpuOps``: torch_npu's fused

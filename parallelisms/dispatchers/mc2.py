@@ -20,7 +20,7 @@ from parallelisms.dispatchers.common import EPDispatcher, exchange_counts, group
 from parallelisms.dispatchers.local_ops import local_ops
 
 MC2_DTYPES = (torch.bfloat16, torch.float16)
-NEEDS_NPU = "dispatcher=mc2 needs an Ascend NPU with torch_npu (MC2 ops); use eager/fused/domino elsewhere"
+NEEDS_NPU = "dispatcher=mc2 needs an Ascend NPU with torch_npu (MC2 ops); use eager/fused/domino/dedup elsewhere"
 
 
 class Mc2Dispatcher(EPDispatcher):

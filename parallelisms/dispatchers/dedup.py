@@ -1,0 +1,177 @@
+"""``dedup``: token-level dispatch. Each token crosses to each ep rank at most once, however many of its K
+experts that rank holds; the rank runs them and sends back one row per token, already weighted and summed.
+
+Letters (and N, K, D, P, L as in ``common``): S rows sent, one per (destination rank, token) pair where the
+rank holds at least one of the token's experts, rank-major, token order within a rank; R rows received;
+T valid slots received (routed (token, k) slots whose expert is local), what ``fused`` receives as rows.
+
+Per layer:
+source       routing per sent row: K local expert ids (sentinel L where slot k's expert sits elsewhere) and
+             K router weights (0 there); one count exchange (rows per rank, slots per (rank, local expert)),
+             the one host sync; all-to-all x [S, D], weights [S, K] (autograd) and ids [S, K].
+destination  the T valid slots gathered in local-expert order, grouped GEMM, then each row's K slots
+             weighted and summed (``kernels.permute.gather_sum``; masked slots weigh 0); all-to-all back [R, D].
+source       the <= P rows of each token summed.
+sum_p sum_{k on p} w_k y_k = sum_k w_k y_k: eager's result up to summation order. Every map is a gather
+whose backward is a gather-sum by a known inverse (or, for a token's rows, one index_add per rank block, no
+two of whose rows share a token): no boolean-mask indexing, nonzero or bincount (each a host sync on CUDA),
+no [R*K, D] tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+from kernels.permute import gather_sum, inverse_permutation
+from models.moe import GroupedExperts, expert_counts
+from parallelisms.dispatchers.common import exchange_counts, group_device_type, local_experts
+from parallelisms.dispatchers.local_ops import LocalOpsDispatcher
+
+NOT_ON_NPU = "dispatcher=dedup runs on CUDA/CPU; on NPU use fused or mc2"
+
+
+def _sum_token_rows(rows_SD: torch.Tensor, token_S: torch.Tensor, send: list[int], N: int) -> torch.Tensor:
+    """out[n] = the sum of token n's rows. A rank's block holds each token at most once, so one index_add_
+    per block never adds two rows into one token at once: deterministic on CUDA, unlike one index_add_ over
+    all S rows (racing atomics)."""
+    out_ND = rows_SD.new_zeros(N, rows_SD.shape[1])
+    for token_B, rows_BD in zip(token_S.split(send), rows_SD.split(send)):
+        out_ND.index_add_(0, token_B, rows_BD)
+    return out_ND
+
+
+class _TokenRows(torch.autograd.Function):
+    """x_ND -> x_SD = x_ND[token_S], the rows to send; backward sums each token's row gradients."""
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, token_S: torch.Tensor, send: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(token_S)
+        ctx.meta = send, x_ND.shape[0]
+        return x_ND.index_select(0, token_S)
+
+    @staticmethod
+    def backward(ctx, grad_SD: torch.Tensor):
+        (token_S,) = ctx.saved_tensors
+        return _sum_token_rows(grad_SD.contiguous(), token_S, *ctx.meta), None, None
+
+
+class _SumTokenRows(torch.autograd.Function):
+    """y_SD (the rows back, in send order) -> y_ND, each token's rows summed; backward gathers."""
+
+    @staticmethod
+    def forward(ctx, y_SD: torch.Tensor, token_S: torch.Tensor, send: list[int], N: int) -> torch.Tensor:
+        ctx.save_for_backward(token_S)
+        return _sum_token_rows(y_SD, token_S, send, N)
+
+    @staticmethod
+    def backward(ctx, grad_ND: torch.Tensor):
+        (token_S,) = ctx.saved_tensors
+        return grad_ND.contiguous().index_select(0, token_S), None, None, None
+
+
+def _slot_sum(src_TD: torch.Tensor, inv_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
+    """out[r] = sum_k w[r, k] * src[inv[r, k]] (fp32 accumulation; a Triton kernel on CUDA). A masked slot
+    repeats a valid one with weight 0, so ``inv`` is no permutation: only the forward gather-sum of
+    ``kernels.permute`` applies, not ``unpermute`` (whose backward writes each row once)."""
+    R, K = inv_RK.shape
+    return gather_sum(src_TD, inv_RK.flatten(), R, K, w_RK.to(src_TD.dtype))
+
+
+class _SlotRows(torch.autograd.Function):
+    """x_RD -> x_TD: each received row copied to its valid slots, in local-expert order (slot_T: flat (row, k)
+    slot of each). Backward sums each row's slot gradients (``_slot_sum`` with 0/1 weights): no atomics."""
+
+    @staticmethod
+    def forward(ctx, x_RD: torch.Tensor, slot_T: torch.Tensor, inv_RK: torch.Tensor,
+                valid_RK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slot_T, inv_RK, valid_RK)
+        return x_RD.index_select(0, slot_T.div(inv_RK.shape[1], rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        slot_T, inv_RK, valid_RK = ctx.saved_tensors
+        return _slot_sum(grad_TD, inv_RK, valid_RK), None, None, None
+
+
+class _PreReduce(torch.autograd.Function):
+    """y_TD (expert outputs, local-expert order) -> y_RD[r] = sum_k w[r, k] * y_TD[inv[r, k]]: one row per
+    received token, weighted by the router (0 for masked slots). Backward as ``unpermute``'s: one [T, D]
+    gather of the incoming gradient, the weight gradient as a batched dot, then scaled in place."""
+
+    @staticmethod
+    def forward(ctx, y_TD: torch.Tensor, w_RK: torch.Tensor, slot_T: torch.Tensor,
+                inv_RK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y_TD, w_RK, slot_T, inv_RK)
+        return _slot_sum(y_TD, inv_RK, w_RK)
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        y_TD, w_RK, slot_T, inv_RK = ctx.saved_tensors
+        grad_TD = grad_RD.contiguous().index_select(0, slot_T.div(inv_RK.shape[1], rounding_mode="floor"))
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            # A masked slot gets the dot of the slot it repeats; the source's torch.where drops it.
+            dot_T = torch.bmm(grad_TD.unsqueeze(1), y_TD.unsqueeze(2)).view(-1)
+            grad_w = dot_T.index_select(0, inv_RK.flatten()).view_as(w_RK).to(w_RK.dtype)
+        grad_y = None
+        if ctx.needs_input_grad[0]:
+            grad_y = grad_TD.mul_(w_RK.flatten().index_select(0, slot_T).to(grad_TD.dtype).unsqueeze(1))
+        return grad_y, grad_w, None, None
+
+
+class DedupDispatcher(LocalOpsDispatcher):
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
+        # torch_npu's permute / unpermute take a fixed K rows per token; the rows here have 1..K valid slots.
+        if (device_type or group_device_type(group)) == "npu":
+            raise NotImplementedError(NOT_ON_NPU)
+        super().__init__(group, num_experts, device_type)
+
+    def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, experts_NK: torch.Tensor,
+                 weights_NK: torch.Tensor) -> torch.Tensor:
+        N, K = experts_NK.shape
+        P, L = self.ep, self.num_local
+
+        # Source: one row per (rank, token) pair the token must reach. A stable sort of "not hit" puts the
+        # pairs first, rank-major, tokens in order; how many there are is known after the count exchange.
+        rank_NK = experts_NK.div(L, rounding_mode="floor")
+        hit_PN = torch.zeros(P, N, dtype=torch.bool, device=x_ND.device).scatter_(0, rank_NK.T, True)
+        order_PN = torch.argsort((~hit_PN).flatten().to(torch.int8), stable=True)  # flat p * N + n
+        rows_P = hit_PN.sum(1)
+        # Both counts in one exchange (one host sync): slots per (rank, local expert) as chunk 0, rows per
+        # rank as chunk 1, carried in the count of the rank's first local expert.
+        slots, rows = exchange_counts(torch.stack([expert_counts(experts_NK, self.num_experts),
+                                                   F.pad(rows_P[:, None], (0, L - 1)).flatten()]),
+                                      self.group, L)
+        S, T = sum(rows.send), sum(slots.counts_L)
+        rank_S = torch.repeat_interleave(torch.arange(P, device=x_ND.device), rows_P, output_size=S)
+        token_S = order_PN[:S] - rank_S * N
+        local_SK = experts_NK.index_select(0, token_S) - rank_S[:, None] * L
+        here_SK = (local_SK >= 0) & (local_SK < L)
+        ids_SK = torch.where(here_SK, local_SK, L)
+        # The other ranks' slots add nothing. Backward: each (n, k) gets its one gradient plus zeros, exact in
+        # any order, so index_select's index_add backward stays deterministic here.
+        w_SK = torch.where(here_SK, weights_NK.index_select(0, token_S), 0)
+
+        x_RD = all_to_all_single_autograd(_TokenRows.apply(x_ND, token_S, rows.send), rows.recv, rows.send,
+                                          self.group)
+        w_RK = all_to_all_single_autograd(w_SK, rows.recv, rows.send, self.group)
+        ids_RK = all_to_all_single(ids_SK, rows.recv, rows.send, self.group)
+
+        # Destination: the valid slots by local expert (stable: source rank, token, k within an expert), the
+        # sentinel L last; the first T of them are the valid ones.
+        order_RK = torch.argsort(ids_RK.flatten(), stable=True)
+        slot_T = order_RK[:T]
+        pos_RK = inverse_permutation(order_RK).view(-1, K)
+        valid_RK = pos_RK < T
+        # A masked slot (weight 0) reads its own row's first valid slot, never another token's: a 0 * inf
+        # can then only touch a token whose output is inf already.
+        inv_RK = torch.where(valid_RK, pos_RK, pos_RK.amin(1, keepdim=True))
+        x_TD = _SlotRows.apply(x_RD, slot_T, inv_RK, valid_RK)
+        y_TD = self.ops.compute(local_experts(experts), x_TD, slots)
+        y_RD = _PreReduce.apply(y_TD, w_RK, slot_T, inv_RK)
+
+        y_SD = all_to_all_single_autograd(y_RD, rows.send, rows.recv, self.group)
+        return _SumTokenRows.apply(y_SD, token_S, rows.send, N)
