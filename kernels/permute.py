@@ -107,11 +107,12 @@ class _Unpermute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tensor,
-                inv_M: torch.Tensor) -> torch.Tensor:
+                inv_M: torch.Tensor, permutation: bool) -> torch.Tensor:
         N, K = weights_NK.shape
         # The all-to-all's output (and maps or weights that came through one) are saved and read by Triton.
         y_MD, weights_NK, order_M, inv_M = (_materialised(t) for t in (y_MD, weights_NK, order_M, inv_M))
         ctx.save_for_backward(y_MD, weights_NK, order_M, inv_M)
+        ctx.permutation = permutation
         # A fresh tensor, not a view (FSDP2 warns about module outputs that are views: an in-place op on one
         # would drop its pre-backward hook).
         return gather_sum(y_MD, inv_M, N, K, weights_NK)
@@ -119,11 +120,11 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):
         y_MD, weights_NK, order_M, inv_M = ctx.saved_tensors
-        if use_triton(y_MD):
+        if ctx.permutation and use_triton(y_MD):  # the kernel writes each row once per slot reading it
             from kernels import triton_permute
 
             grad_y, grad_w = triton_permute.unpermute_backward(_materialised(grad_ND), y_MD, weights_NK, inv_M)
-            return grad_y, grad_w, None, None
+            return grad_y, grad_w, None, None, None
         token_M = order_M.div(weights_NK.shape[1], rounding_mode="floor")
         grad_MD = grad_ND.contiguous().index_select(0, token_M)  # the one [M, D] buffer of the backward
         grad_w = None
@@ -135,7 +136,7 @@ class _Unpermute(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w_M = weights_NK.reshape(-1).index_select(0, order_M).to(grad_MD.dtype)
             grad_y = grad_MD.mul_(w_M.unsqueeze(1))
-        return grad_y, grad_w, None, None
+        return grad_y, grad_w, None, None, None
 
 
 def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor) -> torch.Tensor:
@@ -146,5 +147,10 @@ def permute_tokens(x_ND: torch.Tensor, token_M: torch.Tensor, inv_M: torch.Tenso
     return _PermuteTokens.apply(x_ND, token_M, inv_M)
 
 
-def unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tensor, inv_M: torch.Tensor) -> torch.Tensor:
-    return _Unpermute.apply(y_MD, weights_NK, order_M, inv_M)
+def unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tensor, inv_M: torch.Tensor,
+              permutation: bool = True) -> torch.Tensor:
+    """``order_M``: the flat (token, k) slot of each row of ``y_MD``; ``inv_M``: the row each slot reads.
+    ``permutation=False`` where slots may repeat a row (a masked slot of weight 0 reading a valid slot's row,
+    as in the dedup dispatcher, with fewer rows than slots): its backward then runs the torch gathers, whose
+    row gradient uses each row's own slot only."""
+    return _Unpermute.apply(y_MD, weights_NK, order_M, inv_M, permutation)

@@ -10,7 +10,7 @@ source       routing per sent row: K local expert ids (sentinel L where slot k's
              K router weights (0 there); one count exchange (rows per rank, slots per (rank, local expert)),
              the one host sync; all-to-all x [S, D], weights [S, K] (autograd) and ids [S, K].
 destination  the T valid slots gathered in local-expert order, grouped GEMM, then each row's K slots
-             weighted and summed (``kernels.permute.gather_sum``; masked slots weigh 0); all-to-all back [R, D].
+             weighted and summed (``kernels.permute.unpermute``; masked slots weigh 0); all-to-all back [R, D].
 source       the <= P rows of each token summed.
 sum_p sum_{k on p} w_k y_k = sum_k w_k y_k: eager's result up to summation order. Every map is a gather
 whose backward is a gather-sum by a known inverse (or, for a token's rows, one index_add per rank block, no
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from kernels.permute import gather_sum, inverse_permutation
+from kernels.permute import gather_sum, inverse_permutation, unpermute
 from models.moe import GroupedExperts, expert_counts
 from parallelisms.dispatchers.common import exchange_counts, group_device_type, local_experts
 from parallelisms.dispatchers.local_ops import LocalOpsDispatcher
@@ -72,17 +72,10 @@ class _SumTokenRows(torch.autograd.Function):
         return grad_ND.contiguous().index_select(0, token_S), None, None, None
 
 
-def _slot_sum(src_TD: torch.Tensor, inv_RK: torch.Tensor, w_RK: torch.Tensor) -> torch.Tensor:
-    """out[r] = sum_k w[r, k] * src[inv[r, k]] (fp32 accumulation; a Triton kernel on CUDA). A masked slot
-    repeats a valid one with weight 0, so ``inv`` is no permutation: only the forward gather-sum of
-    ``kernels.permute`` applies, not ``unpermute`` (whose backward writes each row once)."""
-    R, K = inv_RK.shape
-    return gather_sum(src_TD, inv_RK.flatten(), R, K, w_RK.to(src_TD.dtype))
-
-
 class _SlotRows(torch.autograd.Function):
     """x_RD -> x_TD: each received row copied to its valid slots, in local-expert order (slot_T: flat (row, k)
-    slot of each). Backward sums each row's slot gradients (``_slot_sum`` with 0/1 weights): no atomics."""
+    slot of each). Backward sums each row's slot gradients (``gather_sum`` with 0/1 weights, since a masked slot
+    repeats a valid one): no atomics."""
 
     @staticmethod
     def forward(ctx, x_RD: torch.Tensor, slot_T: torch.Tensor, inv_RK: torch.Tensor,
@@ -93,33 +86,8 @@ class _SlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor):
         slot_T, inv_RK, valid_RK = ctx.saved_tensors
-        return _slot_sum(grad_TD, inv_RK, valid_RK), None, None, None
-
-
-class _PreReduce(torch.autograd.Function):
-    """y_TD (expert outputs, local-expert order) -> y_RD[r] = sum_k w[r, k] * y_TD[inv[r, k]]: one row per
-    received token, weighted by the router (0 for masked slots). Backward as ``unpermute``'s: one [T, D]
-    gather of the incoming gradient, the weight gradient as a batched dot, then scaled in place."""
-
-    @staticmethod
-    def forward(ctx, y_TD: torch.Tensor, w_RK: torch.Tensor, slot_T: torch.Tensor,
-                inv_RK: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y_TD, w_RK, slot_T, inv_RK)
-        return _slot_sum(y_TD, inv_RK, w_RK)
-
-    @staticmethod
-    def backward(ctx, grad_RD: torch.Tensor):
-        y_TD, w_RK, slot_T, inv_RK = ctx.saved_tensors
-        grad_TD = grad_RD.contiguous().index_select(0, slot_T.div(inv_RK.shape[1], rounding_mode="floor"))
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            # A masked slot gets the dot of the slot it repeats; the source's torch.where drops it.
-            dot_T = torch.bmm(grad_TD.unsqueeze(1), y_TD.unsqueeze(2)).view(-1)
-            grad_w = dot_T.index_select(0, inv_RK.flatten()).view_as(w_RK).to(w_RK.dtype)
-        grad_y = None
-        if ctx.needs_input_grad[0]:
-            grad_y = grad_TD.mul_(w_RK.flatten().index_select(0, slot_T).to(grad_TD.dtype).unsqueeze(1))
-        return grad_y, grad_w, None, None
+        R, K = inv_RK.shape
+        return gather_sum(grad_TD, inv_RK.flatten(), R, K, valid_RK.to(grad_TD.dtype)), None, None, None
 
 
 class DedupDispatcher(LocalOpsDispatcher):
@@ -171,7 +139,9 @@ class DedupDispatcher(LocalOpsDispatcher):
         inv_RK = torch.where(valid_RK, pos_RK, pos_RK.amin(1, keepdim=True))
         x_TD = _SlotRows.apply(x_RD, slot_T, inv_RK, valid_RK)
         y_TD = self.ops.compute(local_experts(experts), x_TD, slots)
-        y_RD = _PreReduce.apply(y_TD, w_RK, slot_T, inv_RK)
+        # Pre-reduce each row's K slots with the router weights. Slots repeat rows, so no permutation; a masked
+        # slot's weight gradient is the dot of the slot it repeats, and the source's torch.where drops it.
+        y_RD = unpermute(y_TD, w_RK, slot_T, inv_RK.flatten(), permutation=False)
 
         y_SD = all_to_all_single_autograd(y_RD, rows.send, rows.recv, self.group)
         return _SumTokenRows.apply(y_SD, token_S, rows.send, N)
