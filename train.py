@@ -27,11 +27,11 @@ import parallelisms
 from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
 from training import device
-from training.checkpoint import (load_checkpoint, resolve_resume, rng_state, save_checkpoint, save_model_weights,
-                                 set_rng_state)
-from training.config import TrainConfig, register_schema, to_train_config, validate
+from training.checkpoint import (atomic_write_text, load_checkpoint, read_train_state, resolve_resume, rng_state,
+                                 save_checkpoint, save_model_weights, set_rng_state)
+from training.config import TrainConfig, check_resume_config, flat_config, register_schema, to_train_config, validate
 from training.data import build_data_loader, context_shard
-from training.launch import needs_torchrun, relaunch_with_torchrun
+from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, aux_loss_share
 from training.metrics import MetricLogger, moe_metrics, progress_line, routing_summary
 from training.optim import build_optimizer, build_scheduler
@@ -71,6 +71,21 @@ def shared_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims) -> Path:
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], global_batch: int, allow: list[str],
+                         source: Path, log: bool) -> None:
+    """List every config difference from the checkpoint at start-up; refuse those that change what is trained
+    unless train.allow_changes names them."""
+    if "config" not in state:
+        logger.warning("checkpoint %s records no config (written before configs were recorded): not compared", source)
+        return
+    saved_batch = state.get("global_batch_size")
+    saved = flat_config(state["config"], saved_batch)
+    current = flat_config(run_config, global_batch if saved_batch is not None else None)
+    for line in check_resume_config(saved, current, allow, str(source)):
+        if log:
+            logger.info("config differs from checkpoint %s: %s", source, line)
 
 
 class StepResult(NamedTuple):
@@ -115,26 +130,37 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     return StepResult(loss, aux_loss, norm, update and finite, routing_LX)
 
 
-def run(cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Train as configured; returns the per-step metrics (also written to <run_dir>/metrics.jsonl)."""
+def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, Any]:
+    """Every check that needs no process group: config, model and layout; also run by the launching process
+    before torchrun starts any child, so an impossible layout is one short error."""
     validate(cfg)
-    dev_type = device.device_type(cfg.train.device)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     spec, model_args = resolve_model(cfg)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           arch=dataclasses.asdict(model_args), seq_len=cfg.data.seq_len)
+    return spec, model_args
+
+
+def run(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Train as configured; returns the per-step metrics (also written to <run_dir>/metrics.jsonl)."""
+    dev_type = device.device_type(cfg.train.device)
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    spec, model_args = check_config(cfg, world_size)
 
     parallelisms.init_distributed(dev_type, cfg.parallel)
     dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
     dev = device.local_device(dev_type)
     run_dir = shared_run_dir(cfg, dims)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    resume_from = resolve_resume(cfg.train.resume, ckpt_root)
     # Record the architecture actually built (model=hf leaves it to config.json) so export/resume can rebuild it.
     resolved = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, model_type=spec.model_type, arch=dataclasses.asdict(model_args)))
-    if dims.rank == 0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(resolved)))
+    run_config = OmegaConf.to_container(OmegaConf.structured(resolved))
+    global_batch = cfg.train.local_batch_size * cfg.train.grad_accum_steps * dims.dp
+    # A resume is checked (config, then keys, shapes and file checksums) before anything of the run is rewritten.
+    resume_from = resolve_resume(cfg.train.resume, ckpt_root, run_dir)
+    state = read_train_state(resume_from) if resume_from else None
+    if state is not None:
+        check_resumed_config(state, run_config, global_batch, cfg.train.allow_changes, resume_from, dims.rank == 0)
     torch.manual_seed(cfg.train.seed)
 
     # Build on meta, shard, then materialise: no rank ever holds the full model in memory.
@@ -155,23 +181,25 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         kernels.log(logger)
 
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, max(cfg.train.steps, 1))
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
                                dp_rank=dims.dp_rank, dp_size=dims.dp)
     if loader.vocab_size > model_args.vocab_size:
         raise ValueError(f"data ids reach {loader.vocab_size - 1} but model.arch.vocab_size={model_args.vocab_size}; "
                          "use a model whose vocabulary covers the tokenizer (or data.tokenizer to match)")
-    first_step = 1
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
+    first_step, position = 1, 0
+    if state is not None:
+        load_checkpoint(resume_from, model, optimizer, state.get("files"))
         loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"], dev_type)
-        first_step = state["step"] + 1
+        first_step, position = state["step"] + 1, state["scheduler"]["last_epoch"]
         if dims.rank == 0:
             logger.info("resumed from %s at step %d", resume_from, state["step"])
-    metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0, keep_until=first_step - 1 if resume_from else None,
-                                 run_config=OmegaConf.to_container(OmegaConf.structured(resolved)))
+    scheduler = build_scheduler(optimizer, cfg.optim, max(cfg.train.steps, 1), position)
+    # Only now, with the resume known good, is anything of the run directory rewritten.
+    if dims.rank == 0:
+        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(run_config))
+    metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0,
+                                 keep_until=first_step - 1 if state is not None else None, run_config=run_config)
     # Autocast only where FSDP's mixed-precision policy does not already cast the parameters.
     autocast = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16 and cfg.parallel.backend.name != "fsdp2")
     flops_per_token = model_args.flops_per_token(cfg.data.seq_len)
@@ -184,7 +212,8 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         gc.disable()
 
     def checkpoint(step: int) -> None:
-        train_state = {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "rng": rng_state(dev_type)}
+        train_state = {"scheduler": {"last_epoch": scheduler.last_epoch}, "loader": loader.state_dict(),
+                       "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch}
         save_checkpoint(ckpt_root, step, model, optimizer, train_state, cfg.checkpoint.keep_last, dims.rank == 0)
 
     history: list[dict[str, Any]] = []
@@ -216,6 +245,9 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
             "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
         }
         history.append(metrics)
+        if metrics["skipped"] and dims.rank == 0:
+            logger.warning("step %d skipped: loss=%s, grad_norm=%s: not finite, no update (train.nonfinite=skip)",
+                           step, result.loss, result.grad_norm)
         if step % cfg.logging.log_every == 0 or step == steps[-1]:
             metrics.update(moe_metrics(result.routing_LX, dims.data_group))
             metric_logger.log(metrics)
@@ -270,23 +302,25 @@ register_schema()
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    cfg = to_train_config(dict_cfg)
-    if needs_torchrun(cfg.launch):
-        from hydra.core.hydra_config import HydraConfig
+    with one_line_errors():  # bad input ends with one readable line; HYDRA_FULL_ERROR=1 for the traceback
+        cfg = to_train_config(dict_cfg)
+        if needs_torchrun(cfg.launch):
+            from hydra.core.hydra_config import HydraConfig
 
-        hydra_cfg = HydraConfig.get()
-        relaunch_with_torchrun(cfg.launch, list(hydra_cfg.overrides.task),
-                               cfg.train.output_dir or hydra_cfg.runtime.output_dir)
-        return
-    try:
-        run(cfg)
-        if dist.is_initialized():
-            # Every rank leaves its last collective before any rank tears its process group down: a rank that
-            # exits while a peer still talks to it can abort the peer (seen with gloo).
-            dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            check_config(cfg, world_size=cfg.launch.nproc_per_node)  # before any child starts
+            hydra_cfg = HydraConfig.get()
+            relaunch_with_torchrun(cfg.launch, list(hydra_cfg.overrides.task),
+                                   cfg.train.output_dir or hydra_cfg.runtime.output_dir)
+            return
+        try:
+            run(cfg)
+            if dist.is_initialized():
+                # Every rank leaves its last collective before any rank tears its process group down: a rank that
+                # exits while a peer still talks to it can abort the peer (seen with gloo).
+                dist.barrier()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -56,7 +56,13 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {hf_dir}")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); is model.init_from a Hugging Face model directory?") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"{path} has no model_type; is model.init_from a Hugging Face model directory?")
+    return config
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Any]:
@@ -105,9 +111,21 @@ def _experts_module_re(spec: ModelSpec) -> str:
 # ---------------------------------------------------------------------------------------------- reading
 
 
+def _open_safetensors(path: Path) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (named by {path.parent / INDEX})")
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # safetensors reports a damaged header as its own error type
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); is it truncated?") from None
+
+
 def _checkpoint_files(hf_dir: Path) -> list[Path]:
     if (hf_dir / INDEX).is_file():
-        weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
+        try:
+            weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{hf_dir / INDEX} is not a safetensors index with a weight_map ({e!r})") from None
         return [hf_dir / name for name in sorted(set(weight_map.values()))]
     if (hf_dir / SAFETENSORS).is_file():
         return [hf_dir / SAFETENSORS]
@@ -167,7 +185,7 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
     skipped: list[str] = []
     with contextlib.ExitStack() as stack:
         for path in _checkpoint_files(hf_dir):
-            f = stack.enter_context(safe_open(path, framework="pt"))
+            f = stack.enter_context(_open_safetensors(path))
             for disk_name in f.keys():
                 name = _to_ours(spec, disk_name)
                 if name is None:

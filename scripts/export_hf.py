@@ -2,9 +2,10 @@
 
     python scripts/export_hf.py <run-dir | run-dir/model.safetensors | checkpoint-dir> <out-dir> [--dtype bfloat16]
 
-Reads the final ``model.safetensors`` (our names, fused experts, full tensors), or a DCP checkpoint
-(``<run-dir>/checkpoints/step_N``, any layout it was saved with), and the run's resolved ``config.yaml``
-(``model.model_type``, ``model.arch``); writes what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+Reads the final ``model.safetensors`` (our names, fused experts, full tensors) with the run's resolved
+``config.yaml``, or a DCP checkpoint (``<run-dir>/checkpoints/step_N``, any layout it was saved with, verified
+against its file record) with the config recorded in it (``model.model_type``, ``model.arch``); writes what
+``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -21,15 +22,19 @@ from safetensors.torch import load_file  # noqa: E402
 
 from models import build_args, get_spec  # noqa: E402
 from models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_state_dict_hf  # noqa: E402
-from training.checkpoint import TRAIN_STATE, full_state_dict, load_checkpoint  # noqa: E402
+from training.checkpoint import TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state  # noqa: E402
+from training.launch import one_line_errors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def run_files(path: Path) -> tuple[Path, Path]:
-    """(weights, config.yaml) of a run directory, a .safetensors file inside one, or a DCP checkpoint
-    directory (whose run's config.yaml is two levels up: <run>/checkpoints/step_N)."""
+def run_config(path: Path) -> tuple[Path, dict, str]:
+    """(weights, resolved run config, where the config came from) of a run directory, a .safetensors file inside
+    one, or a DCP checkpoint directory (its own recorded config; an older one without: its run's config.yaml)."""
     if is_dcp_checkpoint(path):
+        state = read_train_state(path)
+        if "config" in state:
+            return path, state["config"], str(path / TRAIN_STATE)
         weights, config = path, path.parent.parent / "config.yaml"
     else:
         weights = path / "model.safetensors" if path.is_dir() else path
@@ -39,7 +44,7 @@ def run_files(path: Path) -> tuple[Path, Path]:
             raise FileNotFoundError(f"{file} not found ({what}); expected a run directory holding "
                                     "model.safetensors and config.yaml, the path of its .safetensors file, "
                                     "or a checkpoint directory <run>/checkpoints/step_N")
-    return weights, config
+    return weights, yaml.safe_load(config.read_text()) or {}, str(config)
 
 
 def is_dcp_checkpoint(path: Path) -> bool:
@@ -51,14 +56,14 @@ def dcp_state_dict(checkpoint: Path, model_type: str, args: object) -> dict[str,
     with torch.device("meta"):
         model = get_spec(model_type).model_cls(args)
     model.to_empty(device="cpu")
-    load_checkpoint(checkpoint, model, optimizer=None)
+    load_checkpoint(checkpoint, model, None, read_train_state(checkpoint).get("files"))
     return full_state_dict(model)
 
 
-def model_type_and_args(config_yaml: Path) -> tuple[str, object]:
-    model = (yaml.safe_load(config_yaml.read_text()) or {}).get("model") or {}
+def model_type_and_args(config: dict, source: str) -> tuple[str, object]:
+    model = config.get("model") or {}
     if not model.get("model_type") or not model.get("arch"):
-        raise ValueError(f"{config_yaml} lacks model.model_type or model.arch: was it written by train.py?")
+        raise ValueError(f"{source} lacks model.model_type or model.arch: was it written by train.py?")
     return model["model_type"], build_args(model["model_type"], model["arch"])
 
 
@@ -69,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: as saved)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     opts = parser.parse_args(argv)
-    weights, config_yaml = run_files(opts.checkpoint)
-    model_type, args = model_type_and_args(config_yaml)
+    weights, config, source = run_config(opts.checkpoint)
+    model_type, args = model_type_and_args(config, source)
     state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
     export_state_dict_hf(state, model_type, args, opts.out_dir,
                          max_shard_bytes=opts.max_shard_bytes, dtype=DTYPES.get(opts.dtype))
@@ -78,4 +83,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():  # a refused or damaged checkpoint is one line, not a traceback
+        main()

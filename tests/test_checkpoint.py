@@ -1,5 +1,5 @@
-"""Checkpoints: exact resume (in process, after SIGTERM, after SIGKILL), atomicity, keep-last-N, clear errors
-for corrupt or mismatched checkpoints, non-finite policies, HF export at the end of training."""
+"""Checkpoints: exact resume (in process, after SIGTERM, after SIGKILL), atomicity, keep-last-N, non-finite
+policies, HF export at the end of training. Crafted, damaged and mismatched checkpoints: test_reliability.py."""
 
 from __future__ import annotations
 
@@ -44,11 +44,10 @@ def test_keep_last_n_and_auto_resume_picks_the_newest_complete(tiny_run_config, 
     train.run(cfg)
     root = Path(cfg.train.output_dir) / "checkpoints"
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004", "step_00000005"]
-    # A crash mid-save leaves a temporary directory or one without its train state: neither counts.
+    # A crash mid-save leaves a temporary directory: it does not count.
     (root / ".tmp-step_00000006").mkdir()
-    (root / "step_00000007").mkdir()
-    assert ckpt.resolve_resume("auto", root).name == "step_00000005"
-    assert ckpt.resolve_resume("auto", tmp_path / "nothing-here") is None
+    assert ckpt.resolve_resume("auto", root, root.parent).name == "step_00000005"
+    assert ckpt.resolve_resume("auto", tmp_path / "nothing-here", tmp_path) is None
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_usable(tiny_run_config, monkeypatch):
@@ -72,18 +71,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint_usable(tiny_run_config, mo
     assert [m["step"] for m in resumed] == [3, 4]
 
 
-def test_mismatched_and_corrupt_checkpoints_fail_clearly(tiny_run_config):
+def test_resume_from_a_path_that_is_not_a_checkpoint_names_the_key(tiny_run_config):
     cfg = tiny_run_config("train.steps=2", "checkpoint.interval=2")
     train.run(cfg)
-    step2 = Path(cfg.train.output_dir) / "checkpoints" / "step_00000002"
-    with pytest.raises(RuntimeError, match="does not match"):
-        train.run(tiny_run_config("train.steps=3", f"train.resume={step2}", "model.arch.moe_intermediate_size=8"))
-    for shard in step2.glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(RuntimeError, match="corrupt"):
-        train.run(tiny_run_config("train.steps=3", f"train.resume={step2}"))
     with pytest.raises(FileNotFoundError, match="train.resume"):
-        train.run(tiny_run_config("train.steps=3", f"train.resume={step2.parent}"))
+        train.run(tiny_run_config("train.steps=2", f"train.resume={Path(cfg.train.output_dir) / 'checkpoints'}"))
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
@@ -167,25 +159,3 @@ def test_killed_run_resumes_step_for_step(tmp_path, sig):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr + resumed.stdout
     assert losses(read_metrics(run_dir)) == losses(read_metrics(tmp_path / "ref"))
-
-
-class _Payload:
-    """What a malicious checkpoint could hide in DCP's metadata pickle: a call run at unpickling time."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return open, (str(self.marker), "w")
-
-
-def test_a_crafted_checkpoint_is_refused_without_running_its_code(tiny_run_config, tmp_path):
-    import pickle
-    cfg = tiny_run_config("train.steps=2", "checkpoint.interval=2")
-    train.run(cfg)
-    step2 = Path(cfg.train.output_dir) / "checkpoints" / "step_00000002"
-    marker = tmp_path / "code-ran"
-    (step2 / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    with pytest.raises(RuntimeError, match="corrupt"):
-        train.run(tiny_run_config("train.steps=3", f"train.resume={step2}"))
-    assert not marker.exists()

@@ -1,4 +1,4 @@
-"""Tokenizer and packed data loader: tokenization, masking, order, dp slicing, resume, config errors."""
+"""Tokenizer and packed data loader: tokenization, masking, order, dp slicing, resume, config and data errors."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def test_render_chat_layout_and_mask() -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Hello!"},
+        {"role": "tool", "content": '{"weather": "sunny"}'},
         {"role": "user", "content": "Bye"},
         {"role": "assistant", "content": "See you."},
     ]
@@ -81,9 +82,15 @@ def test_render_chat_layout_and_mask() -> None:
     assert len(ids) == len(mask)
     expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     assert tok.decode(ids) == expected
-    assert ids.count(tok.im_start_id) == ids.count(tok.im_end_id) == 5
+    assert ids.count(tok.im_start_id) == ids.count(tok.im_end_id) == 6
     trained = [i for i, m in zip(ids, mask) if m]
     assert trained == tok.encode("Hello!") + [tok.im_end_id] + tok.encode("See you.") + [tok.im_end_id]
+
+
+@pytest.mark.parametrize("role", ["Assistant", "bot"])
+def test_render_chat_rejects_unknown_roles(role: str) -> None:
+    with pytest.raises(ValueError, match=f"unknown chat role '{role}'.*system, user, assistant, tool"):
+        QwenTokenizer().render_chat([{"role": role, "content": "x"}])
 
 
 def test_bad_tokenizer_name() -> None:
@@ -129,7 +136,10 @@ def test_jsonl_text_documents(tmp_path: Path) -> None:
 def test_jsonl_chat_messages(tmp_path: Path, mask_non_assistant: bool) -> None:
     tok = QwenTokenizer()
     convs = [
-        [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+        [{"role": "system", "content": "Answer with a number."},
+         {"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+         {"role": "assistant", "content": "Let me add."},
+         {"role": "tool", "content": f"{2 * i}"},
          {"role": "assistant", "content": f"It is {2 * i}."}]
         for i in range(30)
     ]
@@ -148,13 +158,6 @@ def test_jsonl_chat_messages(tmp_path: Path, mask_non_assistant: bool) -> None:
     for x, y in zip(inputs.tolist(), labels.tolist()):
         assert expected[tuple(x)] == y
     assert ((labels == IGNORE_INDEX).any().item()) == mask_non_assistant
-
-
-def test_jsonl_line_without_text_or_messages(tmp_path: Path) -> None:
-    _write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, {"prompt": "no"}])
-    cfg = DataConfig(name="jsonl", path=str(tmp_path / "bad.jsonl"), cache_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="line 2"):
-        _loader(cfg)
 
 
 def test_chitchat_rendering_and_cache(tmp_path: Path) -> None:
@@ -317,3 +320,73 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     cfg = _write_tokens(tmp_path, n=50)  # 5 windows
     with pytest.raises(ValueError, match="too small.*data.seq_len"):
         _loader(cfg, batch=3, dp_size=2)
+
+
+# ---------------------------------------------------------------- jsonl validation
+
+
+def _jsonl_cfg(path: Path, lines: list[bytes], **kw) -> DataConfig:
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return DataConfig(name="jsonl", path=str(path), seq_len=8, cache_dir=str(path.parent / "cache"), **kw)
+
+
+_MSG = b'{"role": "user", "content": "hi"}'
+
+
+@pytest.mark.parametrize("bad, expected", [
+    (b'{"text": "cut', "invalid JSON .* expected one JSON object per line"),
+    (b'["a list"]', "expected a JSON object with a 'text' or a 'messages' field, got a list"),
+    (b'{"prompt": "x"}', r"expected a 'text' or a 'messages' field, got fields \['prompt'\]"),
+    (b'{"text": 42}', "'text' must be a string, got a number"),
+    (b'{"messages": {"role": "user", "content": "hi"}}', "'messages' must be a non-empty list .* got an object"),
+    (b'{"messages": []}', "'messages' must be a non-empty list .* got an empty list"),
+    (b'{"messages": [' + _MSG + b', "hi"]}', r"messages\[1\] must be an object .*role.*content.* got a string"),
+    (b'{"messages": [{"content": "hi"}]}', r"messages\[0\] has no 'role'; every message is an object"),
+    (b'{"messages": [' + _MSG + b', {"role": "assistant"}]}', r"messages\[1\] has no 'content'"),
+    (b'{"messages": [{"role": 1, "content": "hi"}]}', r"messages\[0\]\.role must be a string, got a number"),
+    (b'{"messages": [{"role": "user", "content": ["hi"]}]}', r"messages\[0\]\.content must be a string, got a list"),
+    (b'{"messages": [{"role": "bot", "content": "hi"}]}',
+     r"messages\[0\]\.role 'bot' is unknown; use one of system, user, assistant, tool"),
+    (b'{"text": "caf\xe9"}', r"not UTF-8: bytes b'\\xe9' at byte 13 of the line; save the file as UTF-8"),
+], ids=["json", "not_object", "no_field", "text_type", "messages_type", "messages_empty", "message_type",
+        "no_role", "no_content", "role_type", "content_type", "unknown_role", "not_utf8"])
+def test_malformed_jsonl_names_file_and_line(tmp_path: Path, bad: bytes, expected: str) -> None:
+    cfg = _jsonl_cfg(tmp_path / "bad.jsonl", [b'{"text": "fine"}', b"", bad, b'{"text": "fine"}'])
+    with pytest.raises(ValueError, match=rf"bad\.jsonl line 3: {expected}") as e:
+        _loader(cfg)
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # one message, no chained traceback
+
+
+def test_capitalised_roles_are_rejected_not_masked_out(tmp_path: Path) -> None:
+    """The bug: roles User/Assistant rendered fine but were never 'assistant', so every token was masked."""
+    row = b'{"messages": [{"role": "User", "content": "Hi"}, {"role": "Assistant", "content": "Hello"}]}'
+    cfg = _jsonl_cfg(tmp_path / "caps.jsonl", [row] * 40, mask_non_assistant=True)
+    with pytest.raises(ValueError, match=r"caps\.jsonl line 1: messages\[0\]\.role 'User' is unknown; use one of "
+                                         r"system, user, assistant, tool \(lowercase"):
+        _loader(cfg)
+
+
+def test_mask_without_assistant_turn_errors_before_any_batch(tmp_path: Path) -> None:
+    row = b'{"messages": [{"role": "system", "content": "Be kind."}, ' + _MSG + b"]}"
+    cfg = _jsonl_cfg(tmp_path / "users.jsonl", [row] * 40)
+    assert next(_loader(cfg))  # without the mask every token trains; this also caches the stream
+    with pytest.raises(ValueError, match=r"data.path=.*users\.jsonl: no assistant message anywhere: with "
+                                         r"data.mask_non_assistant=true nothing would be trained; add assistant "
+                                         r"turns or set data.mask_non_assistant=false"):
+        _loader(DataConfig(**{**vars(cfg), "mask_non_assistant": True}))  # checked on the cached stream too
+    assert len(list(Path(cfg.cache_dir).glob("*.npy"))) == 1
+
+
+def test_empty_jsonl_names_data_path(tmp_path: Path) -> None:
+    cfg = _jsonl_cfg(tmp_path / "empty.jsonl", [b"", b"  ", b""])
+    with pytest.raises(ValueError, match=r"data.path=.*empty\.jsonl holds no documents .* point data.path"):
+        _loader(cfg)
+
+
+def test_changed_file_is_revalidated_not_served_from_cache(tmp_path: Path) -> None:
+    row = b'{"messages": [' + _MSG + b', {"role": "assistant", "content": "hello"}]}'
+    cfg = _jsonl_cfg(tmp_path / "d.jsonl", [row] * 40, mask_non_assistant=True)
+    _loader(cfg)
+    _jsonl_cfg(tmp_path / "d.jsonl", [row] * 4 + [row.replace(b'"assistant"', b'"Assistant"')] + [row] * 35)
+    with pytest.raises(ValueError, match=r"d\.jsonl line 5: messages\[1\]\.role 'Assistant' is unknown"):
+        _loader(cfg)

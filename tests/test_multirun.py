@@ -21,7 +21,7 @@ def test_two_job_sweep_under_torchrun_then_compare_runs(tmp_path):
          "train.steps=6", "train.local_batch_size=2", "logging.tensorboard=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert sweep.returncode == 0, sweep.stdout[-2000:] + sweep.stderr[-3000:]
-    assert sweep.stdout.count("torch.distributed.run --standalone --nproc_per_node=2") == 2
+    assert sweep.stdout.count("launching: torchrun --standalone --nproc_per_node=2") == 2
     jobs = [tmp_path / "sweep" / str(n) for n in (0, 1)]
     for n, job in enumerate(jobs):
         metrics = [json.loads(line) for line in (job / "metrics.jsonl").open()]

@@ -43,7 +43,7 @@ def test_run_directory_holds_config_metrics_tensorboard_and_weights(tiny_run_con
     assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 32, 32)
 
 
-def test_steps_zero_logs_first_batch_loss_without_updating(tiny_run_config):
+def test_steps_zero_logs_first_batch_loss_without_updating(tiny_run_config, tmp_path):
     cfg = tiny_run_config("train.steps=0")
     history = train.run(cfg)
     assert [m["step"] for m in history] == [0]
@@ -56,29 +56,32 @@ def test_steps_zero_logs_first_batch_loss_without_updating(tiny_run_config):
     for name, tensor in fresh.state_dict().items():
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
     # Step 0 is the loss that step 1 starts from: same init, same first batch.
-    first = train.run(tiny_run_config("train.steps=1"))[0]
+    first = train.run(tiny_run_config("train.steps=1", f"train.output_dir={tmp_path / 'step1'}"))[0]
     assert history[0]["loss"] == pytest.approx(first["loss"], rel=1e-6)
 
 
-def test_grad_accumulation_equals_the_larger_batch(tiny_run_config):
+def test_grad_accumulation_equals_the_larger_batch(tiny_run_config, tmp_path):
     # The aux loss is a product of batch means, so it is defined per global micro-batch: accumulation
     # changes it by design. The cross-entropy part must not change at all.
     no_aux = "model.arch.router_aux_loss_coef=0.0"
     big = train.run(tiny_run_config("train.steps=3", "train.local_batch_size=4", no_aux))
-    accum = train.run(tiny_run_config("train.steps=3", "train.local_batch_size=2", "train.grad_accum_steps=2", no_aux))
+    accum = train.run(tiny_run_config("train.steps=3", "train.local_batch_size=2", "train.grad_accum_steps=2", no_aux,
+                                      f"train.output_dir={tmp_path / 'accum'}"))
+    assert len(big) == len(accum) == 3
     for a, b in zip(big, accum):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
-def test_fused_adamw_trains_like_foreach_and_is_the_cuda_default(tiny_run_config):
+def test_fused_adamw_trains_like_foreach_and_is_the_cuda_default(tiny_run_config, tmp_path):
     from training.config import OptimConfig
     from training.optim import use_fused
 
     assert use_fused(OptimConfig(), "cuda") and not use_fused(OptimConfig(), "cpu")
     assert not use_fused(OptimConfig(fused=False), "cuda") and use_fused(OptimConfig(fused=True), "cpu")
     foreach = train.run(tiny_run_config("train.steps=3", "optim.fused=false"))
-    fused = train.run(tiny_run_config("train.steps=3", "optim.fused=true"))
+    fused = train.run(tiny_run_config("train.steps=3", "optim.fused=true", f"train.output_dir={tmp_path / 'fused'}"))
+    assert len(foreach) == len(fused) == 3
     for a, b in zip(foreach, fused):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
@@ -147,7 +150,7 @@ def test_the_readme_command_runs_the_default_config(tmp_path):
 def test_model_hf_builds_from_config_json_and_loads_the_weights(tiny_run_config, tmp_path, caplog):
     first = train.run(tiny_run_config("train.steps=0"))[0]  # saves its (initial) weights
     from models.hf_io import export_state_dict_hf
-    cfg = tiny_run_config("train.steps=0")
+    cfg = tiny_run_config("train.steps=0")  # the first run's config: its directory holds the weights
     export_state_dict_hf(load_file(Path(cfg.train.output_dir) / "model.safetensors"), "qwen3_moe",
                          build_args("qwen3_moe", dict(cfg.model.arch)), tmp_path / "hf")
     hf_cfg = dataclasses.replace(cfg, model=compose_config(["model=hf", f"model.init_from={tmp_path / 'hf'}"]).model,
@@ -157,7 +160,7 @@ def test_model_hf_builds_from_config_json_and_loads_the_weights(tiny_run_config,
     # A named preset with init_from: differences are listed, and weights that cannot fit are an error.
     with pytest.raises(ValueError, match="mis-shaped"):
         train.run(tiny_run_config(f"model.init_from={tmp_path / 'hf'}", "model.arch.moe_intermediate_size=8",
-                                  "train.steps=0"))
+                                  "train.steps=0", f"train.output_dir={tmp_path / 'preset-run'}"))
     assert "moe_intermediate_size: preset 8 vs config.json 16" in caplog.text
 
 

@@ -1,12 +1,18 @@
-"""Checkpoints: DCP for model + optimizer (resharding, so a run resumes on another layout), a small JSON
-train state (step, schedule, data position, RNG), atomic directory renames, keep-last-N; and the final
-weights as one safetensors file.
+"""Checkpoints: DCP for model + optimizer (resharding, so a run resumes on another layout), a JSON train state
+(step, schedule position, data position, RNG, the run's resolved config and a record of every file written),
+atomic directory renames, keep-last-N; and the final weights as one safetensors file.
 
 Layout: ``<root>/step_00000012/`` holds DCP's files plus ``train_state.json``, written last. A directory is
-complete iff it has that name: saves go to ``<root>/.tmp-step_...`` and are renamed into place, so a crash
-mid-save leaves the previous checkpoint usable. Nothing here unpickles: the train state is JSON and the
-model/optimizer tensors are read by DCP, whose metadata pickle goes through an allowlist unpickler and whose
-non-tensor items load with ``torch.load(weights_only=True)``: a crafted checkpoint cannot run code.
+complete iff it has that file: saves go to ``<root>/.tmp-step_...`` and are renamed into place, so a crash
+mid-save leaves the previous checkpoint usable.
+
+A resume is exact or refuses (``CheckpointError``, one message naming the file and the fix):
+- nothing read can run code: the train state is JSON; DCP's metadata pickle goes through an unpickler that
+  admits an explicit list of exact (module, name) pairs and nothing else; non-tensor items load with
+  ``torch.load(weights_only=True)``;
+- every file is checked against the sizes and CRC-32s recorded at save time (per 64 MiB block), so zeroed,
+  truncated or missing shards are named before anything loads;
+- the checkpoint's parameter and optimizer keys and shapes must equal the model's.
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
+import time
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,20 +36,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
 import torch.nn as nn
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("train")
 
 TRAIN_STATE = "train_state.json"
-PREFIX = "step_"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+_BLOCK_BYTES = 64 << 20  # CRC-32 granularity of the file record: a mismatch names the damaged 64 MiB block
+_TRAIN_STATE_FIELDS = {"step": int, "scheduler.last_epoch": int, "loader.epoch": int, "loader.position": int,
+                       "rng.cpu": str}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, or a run directory that must not be overwritten; the message names
+    the file and the fix."""
 
 
 @dataclass
@@ -49,18 +69,26 @@ class CheckpointConfig:
     export_hf_at_end: bool = False  # also write <run_dir>/hf (sharded safetensors + config.json)
 
 
-# What DCP's metadata pickle is made of (checked on torch 2.11-2.13): nothing else may be unpickled.
-_METADATA_CLASSES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+# ------------------------------------------------------------------------------------------ safe reading
+# Everything DCP's metadata pickle is made of (checked on torch 2.11 and 2.13), as exact (module, name) pairs.
+# Names are compared whole, so pickle's dotted-name lookup (``metadata.os.system``) never happens.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = frozenset({
+    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "TensorStorageMetadata"), (_DCP_METADATA, "BytesStorageMetadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"), (_DCP_METADATA, "TensorProperties"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib._local", "PosixPath"),  # Python >= 3.13
+    *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
+})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if ((module, name) in _METADATA_CLASSES or module == "torch.distributed.checkpoint.metadata"
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which DCP metadata never "
-                                     "does; refusing to unpickle it")
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata never does")
 
 
 class _SafeReader(FileSystemReader):
@@ -68,9 +96,14 @@ class _SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(Path(self.path) / name, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except Exception as e:  # refused globals, truncation, garbage: all the same to the user
+            raise CheckpointError(f"{path} is not DCP checkpoint metadata, refusing to load it ({e})") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP checkpoint metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -88,9 +121,133 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+# ------------------------------------------------------------------------------------------ file record
+def _block_crc(path: Path, block: int) -> int:
+    with open(path, "rb") as f:
+        f.seek(block * _BLOCK_BYTES)
+        return zlib.crc32(f.read(_BLOCK_BYTES))
+
+
+def record_files(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
+    """{name: {"bytes": size, "crc32": [one per 64 MiB block]}}; blocks are checksummed on a thread pool
+    (file reads and zlib release the GIL)."""
+    sizes = {p: p.stat().st_size for p in paths}
+    jobs = [(p, b) for p, size in sizes.items() for b in range(max(1, -(-size // _BLOCK_BYTES)))]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        crcs = list(pool.map(lambda job: _block_crc(*job), jobs))
+    record: dict[str, dict[str, Any]] = {p.name: {"bytes": size, "crc32": []} for p, size in sizes.items()}
+    for (p, _), crc in zip(jobs, crcs):
+        record[p.name]["crc32"].append(crc)
+    return record
+
+
+def _file_problems(directory: Path, name: str, expected: dict[str, Any]) -> list[str]:
+    path = directory / name
+    if not path.is_file():
+        return [f"{name} is missing"]
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return [f"{name} has {size} bytes, {expected['bytes']} were written"]
+    got = record_files([path])[name]["crc32"]
+    return [f"{name} bytes [{b * _BLOCK_BYTES}, {min((b + 1) * _BLOCK_BYTES, size)}) differ from what was written"
+            for b, (g, e) in enumerate(zip(got, expected["crc32"])) if g != e]
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (just ``[obj]`` without a process group). The objects are made here, never read
+    from a file."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def verify_files(path: Path, record: dict[str, dict[str, Any]]) -> None:
+    """Collective: check every recorded file's size and checksums, the files spread over the ranks."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    names = sorted(record)[rank::world]
+    problems = [p for ranks in _gather([p for n in names for p in _file_problems(path, n, record[n])]) for p in ranks]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(damaged_message(path, shown))
+
+
+# ------------------------------------------------------------------------------------------ locating
+def _step_of(path: Path) -> int | None:
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Every ``step_NNNNNNNN`` directory under root, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    return [p for p in step_dirs(root) if (p / TRAIN_STATE).is_file()]
+
+
+def resolve_resume(resume: str, root: Path, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start; refuses (CheckpointError) rather than guess:
+
+    - ``none``: a fresh start, which must not overwrite a previous run in run_dir;
+    - ``auto``: the newest checkpoint under root, which must be complete (a newer incomplete one is damage, not
+      a crash: saves are atomic); no checkpoint at all is a fresh start;
+    - a path: that checkpoint, which must be complete.
+    """
+    if resume == "none":
+        previous = [p for p in (run_dir / "metrics.jsonl", *step_dirs(root)) if p.exists()]
+        if previous:
+            raise CheckpointError(f"{run_dir} already holds a run ({', '.join(str(p) for p in previous[:3])}); "
+                                  "continue it with train.resume=auto, or start afresh in another train.output_dir")
+        return None
+    if resume == "auto":
+        found = step_dirs(root)
+        if not found:
+            logger.info("train.resume=auto: no checkpoint under %s, starting from step 1", root)
+            return None
+        if not (found[-1] / TRAIN_STATE).is_file():
+            raise CheckpointError(damaged_message(found[-1], f"it has no {TRAIN_STATE}"))
+        return found[-1]
+    path = Path(resume)
+    if not (path / TRAIN_STATE).is_file():
+        raise FileNotFoundError(f"train.resume={resume}: not a complete checkpoint (no {TRAIN_STATE} in it)")
+    return path
+
+
+def damaged_message(path: Path, why: str) -> str:
+    """What is wrong with checkpoint ``path`` and the exact way back to the previous complete one."""
+    step = _step_of(path)
+    previous = [p for p in complete_checkpoints(path.parent) if step is not None and _step_of(p) < step]
+    fix = (f"to resume from the previous complete checkpoint, move the damaged one aside (mv {path} {path}.damaged) "
+           f"and run again with train.resume=auto, or set train.resume={previous[-1]}" if previous
+           else "no earlier complete checkpoint exists; start afresh in another train.output_dir")
+    return f"checkpoint {path} is damaged: {why}; {fix}"
+
+
+# ------------------------------------------------------------------------------------------ train state
+def read_train_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's JSON train state, with its required fields checked."""
+    file = path / TRAIN_STATE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(damaged_message(path, f"{file.name} is unreadable ({e})")) from None
+    wrong = [key for key, kind in _TRAIN_STATE_FIELDS.items() if not isinstance(_lookup(state, key), kind)]
+    if wrong:
+        raise CheckpointError(damaged_message(path, f"{file.name} lacks a valid {', '.join(wrong)} (it needs "
+                                                    f"{', '.join(_TRAIN_STATE_FIELDS)})"))
+    return state
+
+
+def _lookup(tree: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
 
 
 def _encode_rng(state: torch.Tensor) -> str:
@@ -118,66 +275,109 @@ def set_rng_state(states: dict[str, str], dev_type: str) -> None:
         device.module(dev_type).set_rng_state(_decode_rng(states[dev_type]))
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / TRAIN_STATE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+# ------------------------------------------------------------------------------------------ save / load
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write beside ``path`` and rename: readers see the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _own_files(directory: Path, rank: int) -> list[Path]:
+    """The files this rank records: DCP names a rank's shards ``__<rank>_<n>.distcp``; rank 0 also takes the
+    rest (the metadata)."""
+    files = [p for p in directory.iterdir() if p.is_file()]
+    if rank == 0:
+        return [p for p in files if not (p.name.startswith("__") and not p.name.startswith("__0_"))]
+    return [p for p in files if p.name.startswith(f"__{rank}_")]
 
 
 def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     train_state: dict[str, Any], keep_last: int, is_writer: bool) -> Path:
-    """Collective: every rank writes its shards; rank 0 publishes the directory by renaming it."""
-    final = root / f"{PREFIX}{step:08d}"
+    """Collective: every rank writes and records its shards; rank 0 writes the train state (with the record)
+    last and publishes the directory by renaming it."""
+    final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
+    start = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     _barrier()
+    written = time.perf_counter()
+    files = {name: rec for part in _gather(record_files(_own_files(tmp, dist.get_rank() if dist.is_initialized()
+                                                                     else 0))) for name, rec in part.items()}
+    recorded = time.perf_counter()
     if is_writer:
-        (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state}))
+        (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "files": files}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in complete_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+        for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        logger.info("saved checkpoint %s", final)
+        logger.info("saved checkpoint %s (%.2f GiB: written in %.1f s, checksummed in %.1f s)", final,
+                    sum(r["bytes"] for r in files.values()) / 2**30, written - start, recorded - written)
     _barrier()
     return final
 
 
-def resolve_resume(resume: str, root: Path) -> Path | None:
-    """``none`` -> None; ``auto`` -> newest complete checkpoint under root (None if there is none); else a path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / TRAIN_STATE).is_file():
-        raise FileNotFoundError(f"train.resume={resume}: not a complete checkpoint (no {TRAIN_STATE} in it)")
-    return path
+def _check_keys_and_shapes(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
+    """The checkpoint must hold exactly the parameters and optimizer states the model and optimizer ask for, with
+    the same shapes: DCP alone loads the asked-for keys and ignores the rest. (Optimizer hyper-parameters are the
+    config's, not compared.)"""
+    tensors = tuple(f"{name}." for name in ("model", "optim.state") if name.split(".")[0] in state)
+    flat = {k: v for k, v in flatten_state_dict(state)[0].items() if k.startswith(tensors)}
+    saved = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(tensors)}
+    missing, unexpected = sorted(set(flat) - set(saved)), sorted(set(saved) - set(flat))
+    reshaped = [f"{k} {list(saved[k].size)} in the checkpoint, {list(v.shape)} in the model" for k, v in flat.items()
+                if k in saved and isinstance(saved[k], TensorStorageMetadata) and isinstance(v, torch.Tensor)
+                and tuple(saved[k].size) != tuple(v.shape)]
+    problems = [f"{what} ({len(keys)}): {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+                for what, keys in (("missing from the checkpoint", missing), ("not in the model", unexpected),
+                                   ("with another shape", reshaped)) if keys]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {'; '.join(problems)}. "
+                              "Was it saved with another model config? Resume with the run's own model settings")
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Load model (and optimizer) state in place, resharding to the current layout; returns the train state."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    record: dict[str, dict[str, Any]] | None) -> None:
+    """Collective: verify the files against ``record`` (the train state's; None: not recorded), check keys and
+    shapes, then load model (and optimizer) state in place, resharding to the current layout. The optimizer
+    keeps its current hyper-parameters (the config's), not the checkpoint's."""
+    if record is None:
+        logger.warning("checkpoint %s has no file record (written before records existed): not verified", path)
+    else:
+        start = time.perf_counter()
+        verify_files(path, record)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("verified checkpoint %s (%d files, %.2f GiB) in %.1f s", path, len(record),
+                        sum(r["bytes"] for r in record.values()) / 2**30, time.perf_counter() - start)
+    reader = _SafeReader(str(path))
+    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
+    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+    _check_keys_and_shapes(path, reader.read_metadata(), state)
     try:
-        train_state = json.loads((path / TRAIN_STATE).read_text())
-        model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
-        state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafePlanner())
-    # DCP reports mismatches as assorted exception types (CheckpointException is a BaseException).
+        dcp.load(state, storage_reader=reader, planner=_SafePlanner())
+    # DCP reports damage as assorted exception types (CheckpointException is a BaseException).
     except (Exception, CheckpointException) as e:
-        raise RuntimeError(f"checkpoint {path} is corrupt or does not match this model/optimizer "
-                           f"(was it saved with another model config?): {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"checkpoint {path} could not be read: {type(e).__name__}: {e}") from e
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return train_state
+        return
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group, own in zip(optimizer.param_groups, hyper):
+        group.update(own)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

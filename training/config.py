@@ -58,6 +58,9 @@ class TrainSection:
     resume: str = "none"  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
     nonfinite: str = "stop"  # a non-finite loss or gradient norm: stop (raise with a report) | skip (no update)
     gc_every: int = 50  # steps between manual Python GCs (automatic GC off during the loop); 0: automatic GC
+    # On resume: keys (or whole groups, e.g. data) deliberately changed from the checkpoint's config, which
+    # would otherwise refuse to resume (see check_resume_config)
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -142,3 +145,50 @@ def validate(cfg: TrainConfig) -> None:
            "model.model_type is unset: pick a preset (model=qwen3_moe_debug) or give model.init_from=<hf dir>")
     validate_data_config(cfg.data)
     validate_kernel_config(cfg.kernel_config)
+
+
+# What a resume may change freely: where and how the run executes, not what it trains. Any other difference from
+# the checkpoint's config (the model, the data, the optimizer and schedule, the seed, the global batch) refuses
+# to resume unless train.allow_changes names it.
+_EXECUTION_KEYS = ("parallel", "dispatcher", "kernel_config", "launch", "logging", "checkpoint", "model.name",
+                   "model.init_from", "data.cache_dir", "train.resume", "train.allow_changes", "train.output_dir",
+                   "train.device", "train.mixed_precision", "train.gc_every", "train.save_final", "train.nonfinite",
+                   "train.local_batch_size", "train.grad_accum_steps")
+GLOBAL_BATCH_KEY = "train.global_batch_size"  # local_batch_size x grad_accum_steps x dp: compared, not a key
+
+
+def flat_config(tree: dict[str, Any], global_batch_size: int | None = None) -> dict[str, Any]:
+    """Dotted key -> leaf value of a config as a dict (lists are leaves), plus the derived global batch."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = list(node) if isinstance(node, tuple) else node
+
+    walk(tree, "")
+    if global_batch_size is not None:
+        flat[GLOBAL_BATCH_KEY] = global_batch_size
+    return flat
+
+
+def _covers(prefixes: typing.Iterable[str], key: str) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def check_resume_config(saved: dict[str, Any], current: dict[str, Any], allow: list[str], source: str
+                        ) -> list[str]:
+    """Lines describing each difference between the checkpoint's flat config and the current one; raises
+    ValueError when one changes what is trained and train.allow_changes does not name it."""
+    unknown = [a for a in allow if not any(_covers([a], key) for key in current)]
+    _check(not unknown, f"train.allow_changes names {unknown}, which are not config keys or groups")
+    missing = "<absent>"
+    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, missing) != current.get(k, missing)]
+    lines = [f"{k}: {saved.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in changed]
+    refused = [k for k in changed if not _covers(_EXECUTION_KEYS, k) and not _covers(allow, k)]
+    _check(not refused, f"resuming from {source} would change what is trained: "
+           + "; ".join(line for k, line in zip(changed, lines) if k in refused)
+           + f". Keep the checkpoint's values, or make the change deliberate with train.allow_changes=[{','.join(refused)}]")
+    return lines

@@ -29,11 +29,14 @@ import numpy as np
 import torch
 
 from kernels.linear_cross_entropy import IGNORE_INDEX
-from training.tokenizer import QwenTokenizer
+from training.tokenizer import CHAT_ROLES, QwenTokenizer
 
 _NAMES = ("chitchat", "jsonl", "tokens")
 _TOKENIZERS = ("qwen3", "qwen3_5")
-_CACHE_VERSION = 1  # bump when the rendering of documents changes
+_CACHE_VERSION = 2  # bump when the rendering or the validation of documents changes (2: roles, field types)
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+_MESSAGE = '{"role": ..., "content": ...}'
 
 Doc = tuple[list[int], list[bool]]  # token ids, loss mask (True = trained)
 
@@ -103,22 +106,58 @@ def _chitchat_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
         yield _chat_doc(tok, [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)])
 
 
+def _check_message(i: int, msg: object) -> None:
+    """Raise ValueError unless ``msg`` is {"role": one of CHAT_ROLES, "content": a string}."""
+    if not isinstance(msg, dict):
+        raise ValueError(f"messages[{i}] must be an object {_MESSAGE}, got {_JSON_TYPES[type(msg)]}")
+    for key in ("role", "content"):
+        if key not in msg:
+            raise ValueError(f"messages[{i}] has no {key!r}; every message is an object {_MESSAGE} of strings")
+        if not isinstance(msg[key], str):
+            raise ValueError(f"messages[{i}].{key} must be a string, got {_JSON_TYPES[type(msg[key])]}")
+    if msg["role"] not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}].role {msg['role']!r} is unknown; use one of {', '.join(CHAT_ROLES)} "
+                         "(lowercase, the chat template's roles)")
+
+
+def _jsonl_row(row: object) -> str | list[dict]:
+    """The text or the chat messages of one parsed jsonl row; ValueError says what is wrong and what is expected."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object with a 'text' or a 'messages' field, got {_JSON_TYPES[type(row)]}")
+    if "text" in row:
+        if not isinstance(row["text"], str):
+            raise ValueError(f"'text' must be a string, got {_JSON_TYPES[type(row['text'])]}")
+        return row["text"]
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            got = "an empty list" if messages == [] else _JSON_TYPES[type(messages)]
+            raise ValueError(f"'messages' must be a non-empty list of {_MESSAGE} objects, got {got}")
+        for i, msg in enumerate(messages):
+            _check_message(i, msg)
+        return messages
+    raise ValueError(f"expected a 'text' or a 'messages' field, got fields {list(row)}")
+
+
 def _jsonl_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
-    """One document per line: {"text": ...} or {"messages": [{"role", "content"}, ...]}."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """One document per line: {"text": ...} or {"messages": [{"role", "content"}, ...]}; errors name the line."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} line {lineno}: not UTF-8: bytes {raw[e.start:e.end]!r} at byte {e.start} "
+                                 "of the line; save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = _jsonl_row(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno}: invalid JSON ({e})") from None
-            if isinstance(row, dict) and "text" in row:
-                yield _text_doc(tok, row["text"])
-            elif isinstance(row, dict) and "messages" in row:
-                yield _chat_doc(tok, row["messages"])
-            else:
-                raise ValueError(f"{path} line {lineno}: expected a 'text' or a 'messages' field")
+                raise ValueError(f"{path} line {lineno}: invalid JSON ({e.msg} at column {e.pos + 1}); expected one "
+                                 "JSON object per line") from None
+            except ValueError as e:
+                raise ValueError(f"{path} line {lineno}: {e}") from None
+            yield _text_doc(tok, row) if isinstance(row, str) else _chat_doc(tok, row)
 
 
 def _tokenized_stream(cfg: DataConfig, path: Path) -> np.ndarray:
@@ -242,6 +281,16 @@ class PackedLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+def _check_trained_tokens(cfg: DataConfig, path: Path, mask: np.ndarray) -> None:
+    """Raise ValueError if the tokenized corpus (fresh or cached), under ``data.mask_non_assistant``, trains nothing."""
+    if mask.size == 0:
+        raise ValueError(f"data.path={path} holds no documents (e.g. a jsonl file of blank lines); add documents or "
+                         "point data.path at the right file")
+    if cfg.mask_non_assistant and not mask.any():
+        raise ValueError(f"data.path={path}: no assistant message anywhere: with data.mask_non_assistant=true nothing "
+                         "would be trained; add assistant turns or set data.mask_non_assistant=false")
+
+
 def build_data_loader(
     cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int
 ) -> PackedLoader:
@@ -256,6 +305,7 @@ def build_data_loader(
         vocab_size, eos_id = int(ids.max()) + 1, cfg.eos_id
     else:
         ids, mask = _tokenized_stream(cfg, path)
+        _check_trained_tokens(cfg, path, mask)
         mask = mask if cfg.mask_non_assistant else None
         tok = QwenTokenizer(cfg.tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only

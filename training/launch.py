@@ -1,14 +1,35 @@
-"""Run a Hydra job on several local processes: ``python train.py launch.nproc_per_node=8 parallel=ep8``
-re-launches itself under torchrun with the same overrides, so Hydra multirun sweeps (``-m``) run each job
-as its own torchrun, one after another."""
+"""Processes: run a Hydra job on several local processes (``python train.py launch.nproc_per_node=8
+parallel=ep8`` re-launches itself under torchrun with the same overrides, so Hydra multirun sweeps (``-m``) run
+each job as its own torchrun, one after another), and end a failed run with one readable line.
+
+Errors: bad input and refused actions (``ONE_LINE_ERRORS``) end the process with ``error: <message>`` and exit
+code 1 instead of a traceback; ``HYDRA_FULL_ERROR=1`` re-raises them with their tracebacks. Under torchrun the
+message also goes to torchrun's per-child error file, so torchrun's failure summary shows it, and the relaunching
+process prints the first failed child's message as its own one line (the children stay quiet).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
-import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from training.checkpoint import CheckpointError
+
+_RELAUNCHED = "QWEN_MOE_RELAUNCHED"  # set for the children of relaunch_with_torchrun
+
+
+class LaunchError(RuntimeError):
+    """A torchrun job started by relaunch_with_torchrun failed; the message is its first failure's."""
+
+
+ONE_LINE_ERRORS = (ValueError, OSError, ImportError, FloatingPointError, CheckpointError, LaunchError)
 
 
 @dataclass
@@ -20,12 +41,48 @@ def needs_torchrun(cfg: LaunchConfig) -> bool:
     return cfg.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ
 
 
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Turn ONE_LINE_ERRORS into ``error: <message>`` and exit code 1 (see the module docstring)."""
+    try:
+        yield
+    except ONE_LINE_ERRORS as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        message = str(e) if isinstance(e, (LaunchError, CheckpointError)) else f"{type(e).__name__}: {e}"
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torchrun reads it; its summary then shows this message instead of a bare exit code
+            Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+        if not os.environ.get(_RELAUNCHED) and int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {message}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str) -> None:
-    """Run ``train.py <overrides>`` under torchrun on this node, writing into this job's run directory."""
+    """Run ``train.py <overrides>`` under torchrun on this node, writing into this job's run directory; a failure
+    raises LaunchError with the first failed child's message."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     script = Path(__file__).resolve().parents[1] / "train.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.nproc_per_node}",
-           str(script), *overrides, f"train.output_dir={run_dir}"]
-    print("launching:", " ".join(cmd), flush=True)
-    result = subprocess.run(cmd)
-    if result.returncode != 0:
-        raise RuntimeError(f"torchrun job failed with exit code {result.returncode}: {' '.join(cmd)}")
+    args = ["--standalone", f"--nproc_per_node={cfg.nproc_per_node}", str(script), *overrides,
+            f"train.output_dir={run_dir}"]
+    print("launching: torchrun", " ".join(args), flush=True)
+    os.environ[_RELAUNCHED] = "1"
+    # The agent's own logs (rendezvous, worker start/stop, per-child failure dumps) would bury the one line.
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        if not message or message.startswith("To enable traceback"):
+            message = "its traceback is above"
+        raise LaunchError(f"rank {rank} of the torchrun job failed (exit code {failure.exitcode}): {message}") from None
+    finally:
+        del os.environ[_RELAUNCHED]
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)

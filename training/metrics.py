@@ -1,10 +1,11 @@
-"""Per-step metrics: one JSON object per line in metrics.jsonl, tensorboard scalars, optional wandb,
-and a concise console line."""
+"""Per-step metrics: one strict JSON object per line in metrics.jsonl (a non-finite value is written as null and
+its key listed under "nonfinite"), tensorboard scalars, optional wandb, and a concise console line."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from models.moe import RouterStats
+from training.checkpoint import atomic_write_text
 from training.config import LoggingConfig
 
 logger = logging.getLogger("train")
@@ -29,11 +31,9 @@ class MetricLogger:
         if not enabled:
             return
         path = run_dir / "metrics.jsonl"
-        kept = []
-        if keep_until is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= keep_until]
-        self._jsonl = open(path, "w", buffering=1)
-        self._jsonl.writelines(line + "\n" for line in kept)
+        kept = _lines_until(path, keep_until) if keep_until is not None and path.exists() else []
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+        self._jsonl = open(path, "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -49,9 +49,9 @@ class MetricLogger:
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(metrics) + "\n")
+        self._jsonl.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")
         step = metrics["step"]
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
         if self._tb is not None:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, step)
@@ -67,9 +67,30 @@ class MetricLogger:
             self._wandb.finish()
 
 
+def _lines_until(path: Path, step: int) -> list[str]:
+    """The lines of metrics.jsonl up to ``step``; a line cut short by a killed run is dropped."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, TypeError, KeyError):
+            logger.warning("%s: dropping an unreadable line (cut short by a killed run?): %.80s", path, line)
+    return kept
+
+
+def strict_json(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with non-finite floats as None, their keys listed under "nonfinite" (JSON has no NaN)."""
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return metrics
+    return {**{k: None if k in bad else v for k, v in metrics.items()}, "nonfinite": bad}
+
+
 def progress_line(m: dict[str, Any], total_steps: int, eta_s: float) -> str:
     mfu = f" | mfu {m['mfu']:.1%}" if m.get("mfu") is not None else ""
-    return (f"step {m['step']:>5}/{total_steps} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
+    skipped = " | SKIPPED: non-finite loss or grad norm, no update" if m.get("skipped") else ""
+    return (f"step {m['step']:>5}/{total_steps}{skipped} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
             f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_s_per_device']:,.0f} tok/s/dev"
             f"{mfu} | moe imb {m['moe/max_imbalance']:.2f} | mem {m['peak_mem_gib']:.2f} GiB | eta {_hms(eta_s)}")
 

