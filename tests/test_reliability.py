@@ -171,6 +171,31 @@ def test_a_fresh_start_does_not_overwrite_a_previous_run(config, run_dir):
     assert _snapshot(run_dir) == before
 
 
+def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(config, run_dir, caplog):
+    metrics = run_dir / "metrics.jsonl"
+    reference = metrics.read_text().splitlines()
+    metrics.write_text("\n".join(reference[:3]) + '\n{"step": 4, "lo')  # killed mid-line after step 3
+    with caplog.at_level("WARNING", logger="train"):
+        train.run(config("train.steps=4", f"train.resume={run_dir / 'checkpoints' / 'step_00000002'}"))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4] and "dropping an unreadable line" in caplog.text
+    assert [m["loss"] for m in lines] == [json.loads(line)["loss"] for line in reference]
+
+
+def test_a_checkpoint_without_record_or_config_resumes_with_warnings(config, run_dir, caplog):
+    """Checkpoints written before records existed still resume (exactly), saying what was not checked."""
+    state_file = run_dir / "checkpoints" / "step_00000002" / ckpt.TRAIN_STATE
+    state = json.loads(state_file.read_text())
+    for key in ("files", "config", "global_batch_size"):
+        del state[key]
+    state_file.write_text(json.dumps(state))
+    reference = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    with caplog.at_level("WARNING", logger="train"):
+        resumed = train.run(config("train.steps=4", f"train.resume={state_file.parent}"))
+    assert [m["loss"] for m in resumed] == reference[2:]
+    assert "has no file record" in caplog.text and "records no config" in caplog.text
+
+
 # ------------------------------------------------------------------------------------- integrity
 def _damage(path: Path, how: str) -> None:
     data = path.read_bytes()

@@ -124,6 +124,8 @@ def _jsonl_row(row: object) -> str | list[dict]:
     """The text or the chat messages of one parsed jsonl row; ValueError says what is wrong and what is expected."""
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object with a 'text' or a 'messages' field, got {_JSON_TYPES[type(row)]}")
+    if "text" in row and "messages" in row:
+        raise ValueError("the object has both 'text' and 'messages'; give one of them (a document or a chat)")
     if "text" in row:
         if not isinstance(row["text"], str):
             raise ValueError(f"'text' must be a string, got {_JSON_TYPES[type(row['text'])]}")
