@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import hydra
 import torch
@@ -24,9 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import models
 import parallelisms
+from core import device
 from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
-from training import device
 from training.checkpoint import (atomic_write_text, load_checkpoint, read_train_state, resolve_resume, rng_state,
                                  save_checkpoint, save_model_weights, set_rng_state)
 from training.config import TrainConfig, check_resume_config, flat_config, register_schema, to_train_config, validate
@@ -71,6 +71,23 @@ def shared_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims) -> Path:
     if dims.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def on_rank0(dims: parallelisms.ParallelDims, decide: Callable[[], Any]) -> Any:
+    """``decide()`` on rank 0, its result (or its error) on every rank: one decision about the run directory,
+    taken before rank 0 writes into it (a lagging rank would otherwise see rank 0's new files)."""
+    box: list[Any] = [None]
+    if dims.rank == 0:
+        try:
+            box = [(True, decide())]
+        except Exception as e:  # every rank raises it
+            box = [(False, e)]
+    if dims.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], global_batch: int, allow: list[str],
@@ -136,7 +153,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, A
     validate(cfg)
     spec, model_args = resolve_model(cfg)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
-                                          arch=dataclasses.asdict(model_args), seq_len=cfg.data.seq_len)
+                                          heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     return spec, model_args
 
 
@@ -157,7 +174,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     run_config = OmegaConf.to_container(OmegaConf.structured(resolved))
     global_batch = cfg.train.local_batch_size * cfg.train.grad_accum_steps * dims.dp
     # A resume is checked (config, then keys, shapes and file checksums) before anything of the run is rewritten.
-    resume_from = resolve_resume(cfg.train.resume, ckpt_root, run_dir)
+    resume_from = on_rank0(dims, lambda: resolve_resume(cfg.train.resume, ckpt_root, run_dir))
     state = read_train_state(resume_from) if resume_from else None
     if state is not None:
         check_resumed_config(state, run_config, global_batch, cfg.train.allow_changes, resume_from, dims.rank == 0)
@@ -168,7 +185,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
-                                           torch.bfloat16 if bf16 else torch.float32, torch.float32)
+                                           torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher)
     model.to_empty(device=dev)
     if cfg.model.init_from is not None and resume_from is None:
         load_hf_into_model(model, cfg.model.init_from)  # each rank reads only the slices it owns

@@ -1,7 +1,7 @@
 """The flash-linear-attention (FLA) plugin: FLA's Triton gated delta rule kernels, imported only when chosen.
 
 FLA's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` take the same arguments as the torch
-references in ``models/qwen3_5_moe/delta_rule.py``, so they drop into ``GatedDeltaNet``'s kernel slots as they are.
+references in ``kernels/delta_rule.py``, so they drop into ``GatedDeltaNet``'s kernel slots as they are.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""Grouped GEMM over contiguous token groups: ``y[rows of g] = x[rows of g] @ w[g]``.
+"""Grouped GEMM over contiguous token groups: ``y[rows of g] = x[rows of g] @ w[g]``: the experts' GEMMs.
 
-``torch._grouped_mm`` is used where this torch build supports it for the device and dtype (probed once
-with a tiny forward + backward, then cached); elsewhere an exact per-group loop of ``torch.mm``.
+``grouped_mm`` runs the kernel ``kernels/registry.py`` chose for the device (installed in ``kernels.installed``):
+``native_grouped_mm`` on CUDA, ``torch._grouped_mm`` where this torch build supports it for the device and dtype
+(probed at the first call with a tiny forward + backward, then cached) and the loop elsewhere; torch_npu's grouped
+matmul on NPU (``kernels.npu_moe``); the reference ``per_group_mm``, an exact per-group loop of ``torch.mm``,
+everywhere else (on CPU, torch's own ``_grouped_mm`` is that loop, to the bit).
 Letters: M routed rows, G groups (local experts), K in-features, N out-features.
 """
 
@@ -11,6 +14,8 @@ import functools
 import threading
 
 import torch
+
+from kernels.installed import kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,23 +73,34 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """Multiply each group of rows of ``x_MK`` (sizes ``counts_G``, in order) by its matrix ``w_GKN[g]``.
-    Under autocast both operands are cast to its dtype, as autocast does for ``torch.mm``."""
+def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+               counts_host: list[int] | None = None) -> torch.Tensor:
+    """Multiply each group of rows of ``x_MK`` (sizes ``counts_G``, in order) by its matrix ``w_GKN[g]``, with the
+    installed kernel. ``counts_host``: the same sizes as Python ints where the caller has them, so that a kernel
+    needing them on the host takes no sync. Under autocast both operands are cast to its dtype first, as autocast
+    does for ``torch.mm``."""
     device_type = x_MK.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x_MK, w_GKN = x_MK.to(dtype), w_GKN.to(dtype)
+    return kernel("grouped_mm", x_MK, per_group_mm)(x_MK, w_GKN, counts_G, counts_host)
+
+
+def native_grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+                      counts_host: list[int] | None = None) -> torch.Tensor:
+    """``torch._grouped_mm`` where this build supports the device and dtype (and the strides are aligned), else
+    the per-group loop."""
     if native_grouped_mm_ok(x_MK, w_GKN):
         offs_G = torch.cumsum(counts_G, dim=0, dtype=torch.int32)
         return _DenseGrad.apply(torch._grouped_mm(x_MK, w_GKN, offs=offs_G))
-    return per_group_mm(x_MK, w_GKN, counts_G)
+    return per_group_mm(x_MK, w_GKN, counts_G, counts_host)
 
 
-def per_group_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """The exact reference: one ``torch.mm`` per non-empty group (one host sync for the sizes)."""
-    chunks = x_MK.split(counts_G.tolist())
+def per_group_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+                 counts_host: list[int] | None = None) -> torch.Tensor:
+    """The exact reference: one ``torch.mm`` per non-empty group (one host sync for the sizes, unless given)."""
+    chunks = x_MK.split(counts_G.tolist() if counts_host is None else counts_host)
     outs = [chunk @ w_GKN[g] for g, chunk in enumerate(chunks) if chunk.shape[0] > 0]
-    if not outs:
-        return x_MK.new_zeros(0, w_GKN.shape[2])
+    if not outs:  # no rows at all: an empty product still in the graph (zero gradients, as torch._grouped_mm gives)
+        return x_MK @ w_GKN[0] if w_GKN.shape[0] else x_MK.new_zeros(0, w_GKN.shape[2])
     return torch.cat(outs)

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-IGNORE_INDEX = -100
+from core.constants import IGNORE_INDEX
+
 CHUNK_ELEMENTS = 1 << 29  # logits per chunk: 1 GiB in bf16 (the reference adds fp32 copies of it)
 
 # (logits [C, V], labels [C]) -> per-row loss [C] in fp32; overwrites the logits with their gradient.
@@ -31,7 +32,7 @@ def default_chunk_rows(vocab_size: int) -> int:
 
 
 def softmax_cross_entropy_(logits_CV: torch.Tensor, labels_C: torch.Tensor) -> torch.Tensor:
-    """Per-row cross-entropy [C] in fp32 (0 where the label is -100); ``logits_CV`` is overwritten with
+    """Per-row cross-entropy [C] in fp32 (0 where the label is IGNORE_INDEX, -100); ``logits_CV`` is overwritten with
     d(sum of the losses)/d logits = softmax - one_hot(label), zero on ignored rows."""
     logits32_CV = logits_CV.float()  # the same tensor when the logits are fp32: updated in place below
     valid_C = labels_C != IGNORE_INDEX

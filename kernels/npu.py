@@ -37,7 +37,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """As ``models.layers.apply_rotary``: the first ``cos.shape[-1]`` channels of every head rotated."""
+    """As ``kernels.rotary.apply_rotary``: the first ``cos.shape[-1]`` channels of every head rotated."""
     rot = cos_BTD.shape[-1]
     dtype = torch.promote_types(x_BHTD.dtype, cos_BTD.dtype)
     cos_B1TD, sin_B1TD = (t.unsqueeze(1).to(dtype) for t in (cos_BTD, sin_BTD))

@@ -12,26 +12,21 @@ Letters: N tokens, K top-k, M = N*K routed rows in expert order, D hidden.
 ``order_M``: flat (token, k) slot of each expert-ordered row (a stable argsort of the expert ids);
 ``inv_M``: its inverse (row of each flat slot); ``token_M = order_M // K``.
 
-On CUDA with triton installed, the K-to-one steps run ``kernels.triton_permute`` (one pass over the rows);
-the torch code below is the reference everywhere else.
+Kernels (chosen by ``kernels/registry.py`` from ``kernel_config``, installed per device type in
+``kernels.installed``; the torch code here is the reference of each and what runs until then):
+``gather_sum`` and ``unpermute_backward``, the K-to-one steps (``kernels.triton_permute`` on CUDA: one pass over
+the rows); ``moe_token_permute`` / ``moe_token_unpermute``, a dispatcher's whole permute and unpermute
+(``kernels.npu_moe``: torch_npu's fused ops on NPU). The two token ops are chosen together: the permute's state is
+what its own unpermute reads.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+from typing import Any
 
 import torch
 
-
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether the K-to-one steps on ``t`` take the Triton kernels."""
-    return t.device.type == "cuda" and _have_triton()
+from kernels.installed import kernel
 
 
 def _materialised(t: torch.Tensor) -> torch.Tensor:
@@ -52,13 +47,13 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 def gather_sum(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
                weights_NK: torch.Tensor | None = None) -> torch.Tensor:
     """out[n] = sum_k w[n, k] * src[inv_M[n*K + k]] (w = 1 without weights; the weights rounded to src's dtype
-    first), accumulated in fp32, for any map (a row may be read by several slots). In torch: K chunks of
-    tokens, a gathered transient of [N, D] instead of [M, D]. On CUDA: ``kernels.triton_permute.gather_sum``."""
-    if use_triton(src_MD):
-        from kernels import triton_permute
+    first), accumulated in fp32, for any map (a row may be read by several slots): the installed kernel."""
+    return kernel("gather_sum", src_MD, gather_sum_torch)(src_MD, inv_M, N, K, weights_NK)
 
-        weights_NK = _materialised(weights_NK) if weights_NK is not None else None
-        return triton_permute.gather_sum(_materialised(src_MD), _materialised(inv_M), N, K, weights_NK)
+
+def gather_sum_torch(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
+                     weights_NK: torch.Tensor | None = None) -> torch.Tensor:
+    """``gather_sum``'s reference: K chunks of tokens, a gathered transient of [N, D] instead of [M, D]."""
     D = src_MD.shape[-1]
     out_ND = src_MD.new_empty(N, D)
     chunk = max(1, -(-N // K)) if K else 1
@@ -70,6 +65,25 @@ def gather_sum(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
         else:  # written through a [C, 1, D] view: the output is a fresh tensor, not a view
             torch.bmm(weights_NK[n0:n1].to(src_MD.dtype).unsqueeze(1), rows_CKD, out=out_ND[n0:n1].unsqueeze(1))
     return out_ND
+
+
+def unpermute_backward_torch(grad_ND: torch.Tensor, y_MD: torch.Tensor, weights_NK: torch.Tensor,
+                             order_M: torch.Tensor, inv_M: torch.Tensor, need_y: bool = True,
+                             need_w: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``unpermute``'s y_MD (in y's dtype) and weights_NK (in theirs), each only if needed:
+    grad_y[m] = w[n, k] * grad[n] and grad_w[n, k] = <grad[n], y[m]> for every slot (n, k) reading row m."""
+    token_M = order_M.div(weights_NK.shape[1], rounding_mode="floor")
+    grad_MD = grad_ND.contiguous().index_select(0, token_M)  # the one [M, D] buffer of the backward
+    grad_w = None
+    if need_w:
+        # <y_m, grad_token(m)> per row as a batched dot: no [M, D] product is materialised.
+        dot_M = torch.bmm(grad_MD.unsqueeze(1), y_MD.unsqueeze(2)).view(-1)
+        grad_w = dot_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
+    grad_y = None
+    if need_y:
+        w_M = weights_NK.reshape(-1).index_select(0, order_M).to(grad_MD.dtype)
+        grad_y = grad_MD.mul_(w_M.unsqueeze(1))
+    return grad_y, grad_w
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -120,22 +134,10 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):
         y_MD, weights_NK, order_M, inv_M = ctx.saved_tensors
-        if ctx.permutation and use_triton(y_MD):  # the kernel writes each row once per slot reading it
-            from kernels import triton_permute
-
-            grad_y, grad_w = triton_permute.unpermute_backward(_materialised(grad_ND), y_MD, weights_NK, inv_M)
-            return grad_y, grad_w, None, None, None
-        token_M = order_M.div(weights_NK.shape[1], rounding_mode="floor")
-        grad_MD = grad_ND.contiguous().index_select(0, token_M)  # the one [M, D] buffer of the backward
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            # <y_m, grad_token(m)> per row as a batched dot: no [M, D] product is materialised.
-            dot_M = torch.bmm(grad_MD.unsqueeze(1), y_MD.unsqueeze(2)).view(-1)
-            grad_w = dot_M.index_select(0, inv_M).view_as(weights_NK).to(weights_NK.dtype)
-        grad_y = None
-        if ctx.needs_input_grad[0]:
-            w_M = weights_NK.reshape(-1).index_select(0, order_M).to(grad_MD.dtype)
-            grad_y = grad_MD.mul_(w_M.unsqueeze(1))
+        # The installed kernel may write a row once per slot reading it (Triton does): only for a permutation.
+        backward = (kernel("unpermute_backward", y_MD, unpermute_backward_torch) if ctx.permutation
+                    else unpermute_backward_torch)
+        grad_y, grad_w = backward(grad_ND, y_MD, weights_NK, order_M, inv_M, *ctx.needs_input_grad[:2])
         return grad_y, grad_w, None, None, None
 
 
@@ -154,3 +156,28 @@ def unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tenso
     as in the dedup dispatcher, with fewer rows than slots): its backward then runs the torch gathers, whose
     row gradient uses each row's own slot only."""
     return _Unpermute.apply(y_MD, weights_NK, order_M, inv_M, permutation)
+
+
+def moe_token_permute(x_ND: torch.Tensor, experts_NK: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """x_ND -> (x_MD: each token's K rows in a stable order by expert id, the state ``moe_token_unpermute`` reads):
+    the installed kernel."""
+    return kernel("moe_token_permute", x_ND, moe_token_permute_torch)(x_ND, experts_NK)
+
+
+def moe_token_unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, state: Any) -> torch.Tensor:
+    """y_ND[n] = sum_k w[n, k] * (the row of slot (n, k)), from ``moe_token_permute``'s state: the installed
+    kernel (the same implementation as the permute's)."""
+    return kernel("moe_token_unpermute", y_MD, moe_token_unpermute_torch)(y_MD, weights_NK, state)
+
+
+def moe_token_permute_torch(x_ND: torch.Tensor, experts_NK: torch.Tensor
+                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The reference: a stable argsort of the expert ids and the gathers above; state (order_M, inv_M)."""
+    order_M = torch.argsort(experts_NK.flatten(), stable=True)
+    inv_M = inverse_permutation(order_M)
+    return permute_tokens(x_ND, order_M // experts_NK.shape[1], inv_M), (order_M, inv_M)
+
+
+def moe_token_unpermute_torch(y_MD: torch.Tensor, weights_NK: torch.Tensor,
+                              state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return unpermute(y_MD, weights_NK, *state)

@@ -1,30 +1,42 @@
-"""Device kernel registry: for each op the models call through a kernel slot (see ``models/layers.py``), the
-implementations per device type, each with an availability check, and the torch reference as the fallback.
+"""Device kernel registry: the one place that chooses a device-specific implementation. For each op, the
+implementations per device type, each with an availability check, and the torch reference otherwise. ``auto``
+takes the best that can run; a plugin named explicitly (flash-linear-attention) must run, or selection fails.
 
-``select_kernels(cfg, device_type)`` chooses one implementation per op and records why;
-``apply_kernels(model, kernels)`` installs the choices into every module's kernel slots. The expert GEMMs are not
-ops here: the EP dispatcher decides how experts run.
+Two kinds of op, chosen alike: those the models call through a kernel slot (see ``models/layers.py``: norms,
+activations, rotary, the cross-entropy step, the delta rule), and those the dispatch path's kernel functions call
+(``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``), which EP dispatchers and the
+experts use without ever checking the device.
+
+``select_kernels(cfg, device_type)`` chooses one implementation per op and records why (``Kernels.log``: one line
+per op at start-up); ``apply_kernels(model, kernels)`` installs the choices: into every module's kernel slots, and
+for the dispatch path's ops into ``kernels.installed`` (per device type).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
+import torch
 import torch.nn as nn
 
-from kernels import fla
+from core import device
+from kernels import fla, installed
 from kernels.config import AUTO, FLA, KernelConfig, plugin_names
+from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.grouped_mm import per_group_mm
 from kernels.linear_cross_entropy import softmax_cross_entropy_
-from models.layers import apply_rotary, packed_swiglu, rms_norm, swiglu
-from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from models.qwen3_5_moe.layers import gated_rms_norm, offset_rms_norm
-from training import device
+from kernels.norm import gated_rms_norm, offset_rms_norm, rms_norm
+from kernels.permute import (gather_sum_torch, moe_token_permute_torch, moe_token_unpermute_torch,
+                             unpermute_backward_torch)
+from kernels.rotary import apply_rotary
+from kernels.swiglu import packed_swiglu, swiglu
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
@@ -67,18 +79,20 @@ def _dist_version(*names: str) -> str | None:
 
 @dataclass(frozen=True)
 class Impl:
-    name: str  # as logged: torch, triton, torch_npu, flash-linear-attention
+    name: str  # as logged: torch, triton, torch_npu, flash-linear-attention, torch._grouped_mm
     device_types: tuple[str, ...]
     build: Callable[[KernelConfig], Callable]  # imports lazily: a device package is loaded only when chosen
     # Why it cannot run in this environment, or None; raises if an explicitly requested package is missing.
     unavailable: Callable[[Env], str | None] = lambda env: None
+    note: str = ""  # logged after the device: what the kernel still decides at run time
 
 
 @dataclass(frozen=True)
 class OpSpec:
     plugin: str  # the kernel_config.name entry that asks for this op's kernels
-    reference: Callable[[KernelConfig], Callable]  # the torch reference: what the model runs by default
+    reference: Callable[[KernelConfig], Callable]  # the torch reference: what runs by default
     kernels: tuple[Impl, ...]  # in order of preference
+    slot: bool = True  # a model kernel slot; False: called by a kernel function, installed in kernels.installed
 
 
 def _lazy(module: str, attr: str) -> Callable[[KernelConfig], Callable]:
@@ -91,6 +105,10 @@ def _needs_triton(env: Env) -> str | None:
 
 def _needs_torch_npu(env: Env) -> str | None:
     return None if env.has_torch_npu else "torch_npu is not installed (pip install '.[npu]')"
+
+
+def _needs_grouped_mm(env: Env) -> str | None:
+    return None if hasattr(torch, "_grouped_mm") else f"torch {torch.__version__} has no _grouped_mm"
 
 
 def _needs_fla(env: Env) -> str | None:
@@ -117,6 +135,19 @@ def _auto(op: str, reference: Callable) -> OpSpec:
     ))
 
 
+def _dispatch(reference: Callable, *impls: Impl) -> OpSpec:
+    """An op of the dispatch path (called by ``kernels.permute`` / ``kernels.grouped_mm``, not a model slot)."""
+    return OpSpec(AUTO, lambda cfg: reference, impls, slot=False)
+
+
+def _triton_permute(op: str) -> Impl:
+    return Impl("triton", ("cuda",), _lazy("kernels.triton_permute", op), _needs_triton)
+
+
+def _npu_moe(op: str, note: str = "") -> Impl:
+    return Impl("torch_npu", ("npu",), _lazy("kernels.npu_moe", op), _needs_torch_npu, note)
+
+
 # FLA's Triton kernels run on CUDA and, through its triton-ascend backends, on NPU.
 _FLA_DEVICES = ("cuda", "npu")
 
@@ -137,7 +168,21 @@ OPS: dict[str, OpSpec] = {
     "fused_recurrent_gated_delta_rule": OpSpec(
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
+    # The dispatch path. The K-to-one steps of the torch permutes (the EP dispatchers' gathers):
+    "gather_sum": _dispatch(gather_sum_torch, _triton_permute("gather_sum")),
+    "unpermute_backward": _dispatch(unpermute_backward_torch, _triton_permute("unpermute_backward")),
+    # A dispatcher's whole token permute and unpermute; chosen together (the unpermute reads the permute's state).
+    "moe_token_permute": _dispatch(moe_token_permute_torch, _npu_moe("moe_token_permute")),
+    "moe_token_unpermute": _dispatch(moe_token_unpermute_torch, _npu_moe("moe_token_unpermute")),
+    # The experts' GEMMs; the reference is the exact per-expert loop (on CPU, torch's _grouped_mm is that loop).
+    "grouped_mm": _dispatch(
+        per_group_mm,
+        Impl("torch._grouped_mm", ("cuda",), _lazy("kernels.grouped_mm", "native_grouped_mm"), _needs_grouped_mm,
+             "where it supports the dtype (probed at the first call), else the per-expert loop"),
+        _npu_moe("grouped_mm", "the per-expert loop where an expert gets no rows")),
 }
+SLOT_OPS = tuple(op for op, spec in OPS.items() if spec.slot)  # what models call through their kernel slots
+INSTALLED_OPS = tuple(op for op, spec in OPS.items() if not spec.slot)  # what kernel functions call
 
 
 @dataclass(frozen=True)
@@ -145,7 +190,6 @@ class Choice:
     op: str
     impl: str  # Impl.name, or "torch" for the reference
     reason: str
-    fallback: bool  # an explicitly requested kernel replaced by the torch reference
     build: Callable[[], Callable]
 
 
@@ -160,17 +204,17 @@ class Kernels:
         return self.choices[op].build()
 
     def lines(self) -> list[str]:
-        return [f"{c.op}: {c.impl}{' (fallback)' if c.fallback else ''}: {c.reason}" for c in self.choices.values()]
+        return [f"{c.op}: {c.impl}: {c.reason}" for c in self.choices.values()]
 
     def log(self, logger: logging.Logger) -> None:
         logger.info("kernels for %s", self.env.describe())
-        for choice, line in zip(self.choices.values(), self.lines()):
-            logger.log(logging.WARNING if choice.fallback else logging.INFO, "kernel %s", line)
+        for line in self.lines():
+            logger.info("kernel %s", line)
 
 
 def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
-    def reference(reason: str, fallback: bool = False) -> Choice:
-        return Choice(op, "torch", reason, fallback, lambda: spec.reference(cfg))
+    def reference(reason: str) -> Choice:
+        return Choice(op, "torch", reason, lambda: spec.reference(cfg))
 
     if spec.plugin not in plugin_names(cfg):
         return reference(f"kernel_config.name does not include {spec.plugin}")
@@ -182,14 +226,16 @@ def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
             continue
         why_not = impl.unavailable(env)
         if why_not is None:
-            return Choice(op, impl.name, f"on {env.device_type}", False, lambda impl=impl: impl.build(cfg))
+            reason = f"on {env.device_type}" + (f"; {impl.note}" if impl.note else "")
+            return Choice(op, impl.name, reason, lambda impl=impl: impl.build(cfg))
         skipped.append(f"{impl.name}: {why_not}")
-    # auto means "the best available", so the reference is a fine answer there; an explicit request falls back.
-    fallback = spec.plugin != AUTO
-    if skipped:
-        return reference("; ".join(skipped), fallback)
     devices = sorted({d for impl in spec.kernels for d in impl.device_types})
-    return reference(f"{spec.plugin} has kernels for {', '.join(devices)} only", fallback)
+    why = "; ".join(skipped) or f"{spec.plugin} has kernels for {', '.join(devices)} only"
+    if spec.plugin == AUTO:  # auto means "the best available": the reference is a fine answer
+        return reference(why)
+    # A kernel asked for by name never silently becomes something else.
+    raise ValueError(f"kernel_config.name={cfg.name!r} asks for {spec.plugin}'s {op}, which cannot run on "
+                     f"{env.describe()}: {why}; fix: kernel_config=auto (the torch {op}), or make the kernel runnable")
 
 
 def select_kernels(cfg: KernelConfig, device_type: str, env: Env | None = None) -> Kernels:
@@ -204,7 +250,8 @@ def select_kernels(cfg: KernelConfig, device_type: str, env: Env | None = None) 
 
 
 def apply_kernels(model: nn.Module, kernels: Kernels) -> dict[str, int]:
-    """Set every kernel slot in ``model`` to the chosen implementation; returns how many slots each op filled."""
+    """Set every kernel slot in ``model`` to the chosen implementation, and ``install`` the dispatch path's
+    choices; returns how many slots each op filled."""
     built: dict[str, Callable] = {}
     counts: dict[str, int] = {}
     for module in model.modules():
@@ -213,4 +260,26 @@ def apply_kernels(model: nn.Module, kernels: Kernels) -> dict[str, int]:
                 built[op] = kernels.get(op)
             setattr(module, attr, built[op])
             counts[op] = counts.get(op, 0) + 1
+    install(kernels)
     return counts
+
+
+def install(kernels: Kernels, device_type: str | None = None) -> None:
+    """Make the dispatch path's kernel functions run the chosen implementations for tensors on ``device_type``
+    (default: the device they were chosen for; tests run NPU choices on CPU tensors with a fake torch_npu)."""
+    for op in INSTALLED_OPS:
+        installed.put(device_type or kernels.env.device_type, op, kernels.get(op))
+
+
+@contextlib.contextmanager
+def installed_kernels(kernels: Kernels | None = None, device_type: str | None = None) -> Iterator[None]:
+    """For a block (tests): only ``kernels``' dispatch-path choices installed (``install``; None: none, every
+    kernel function runs its torch reference), then what was installed before."""
+    saved = installed.snapshot()
+    installed.restore({})
+    try:
+        if kernels is not None:
+            install(kernels, device_type)
+        yield
+    finally:
+        installed.restore(saved)

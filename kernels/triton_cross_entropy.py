@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.linear_cross_entropy import IGNORE_INDEX
+from core.constants import IGNORE_INDEX
 
 _BLOCK = 4096
 

@@ -1,8 +1,8 @@
 """Fused RMSNorm forward and backward in Triton (CUDA): the plain, the (1 + w) offset and the gated variant.
 
 One kernel per direction; constexpr flags pick the variant. The forward rounds where the torch references
-(``models.layers.rms_norm``, ``models.qwen3_5_moe.layers``) round, so outputs match them to the last bit but
-for the fp32 summation order; the backward works in fp32 throughout. Letters: M rows, D normalised dim.
+(``kernels/norm.py``) round, so outputs match them to the last bit but for the fp32 summation order; the backward
+works in fp32 throughout. Letters: M rows, D normalised dim.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Triton (CUDA) kernels for the K-to-one steps of ``kernels.permute``: each reads every routed row once.
+"""Triton (CUDA) kernels for the K-to-one steps of ``kernels.permute``: each reads every routed row once. Same
+signatures as the torch references there (``gather_sum_torch``, ``unpermute_backward_torch``).
 
 ``gather_sum``: out[n] = sum_k w[n, k] * src[inv[n*K + k]] (unpermute forward; without weights, the permute
 backward), accumulated in fp32, one rounding to src's dtype. The torch version gathers the rows into a
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.permute import _materialised
 
 _BLOCK_D = 1024
 
@@ -53,7 +56,9 @@ def _unpermute_backward_kernel(GRAD, Y, INV, W, GRAD_Y, GRAD_W, K: tl.constexpr,
 
 def gather_sum(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
                weights_NK: torch.Tensor | None = None) -> torch.Tensor:
-    src_MD = src_MD.contiguous()
+    # The kernel reads data_ptr(): a functional collective's result must be waited for first.
+    src_MD, inv_M = _materialised(src_MD).contiguous(), _materialised(inv_M)
+    weights_NK = _materialised(weights_NK) if weights_NK is not None else None
     D = src_MD.shape[-1]
     out_ND = src_MD.new_empty(N, D)
     if N and K:
@@ -66,10 +71,12 @@ def gather_sum(src_MD: torch.Tensor, inv_M: torch.Tensor, N: int, K: int,
     return out_ND
 
 
-def unpermute_backward(grad_ND: torch.Tensor, y_MD: torch.Tensor, weights_NK: torch.Tensor,
-                       inv_M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (grad_y_MD in y's dtype, grad_w_NK in the weights' dtype)."""
-    grad_ND, y_MD, weights_NK = grad_ND.contiguous(), y_MD.contiguous(), weights_NK.contiguous()
+def unpermute_backward(grad_ND: torch.Tensor, y_MD: torch.Tensor, weights_NK: torch.Tensor, order_M: torch.Tensor,
+                       inv_M: torch.Tensor, need_y: bool = True, need_w: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (grad_y_MD in y's dtype, grad_w_NK in the weights' dtype): both, whatever is needed (one pass computes
+    them together), for a permutation ``inv_M`` (each row written once per slot reading it). ``order_M`` unused."""
+    grad_ND, y_MD, weights_NK = _materialised(grad_ND).contiguous(), y_MD.contiguous(), weights_NK.contiguous()
     N, K = weights_NK.shape
     D = y_MD.shape[-1]
     grad_y_MD = torch.empty_like(y_MD)

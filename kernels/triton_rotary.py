@@ -1,6 +1,6 @@
 """Rotary embedding (rotate-half convention, optionally partial) in one Triton kernel each way (CUDA).
 
-``models.layers.apply_rotary`` runs ~7 eager kernels per call and as many in backward (slices, ``rotate_half``'s
+``kernels.rotary.apply_rotary`` runs ~7 eager kernels per call and as many in backward (slices, ``rotate_half``'s
 neg and cat, two products, a sum, the pass-through cat), each a full pass over q or k. Here one program handles
 one token's heads: out[d] = x[d] cos[d] -/+ x[d +/- rot/2] sin[d] for d < rot, x[d] beyond, in fp32 with one
 rounding. The backward is the transpose: grad_x[d] = g[d] cos[d] +/- g[d +/- rot/2] sin[d +/- rot/2].
@@ -72,7 +72,7 @@ class _Rotary(torch.autograd.Function):
 
 
 def apply_rotary(x_BHTD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor) -> torch.Tensor:
-    """As ``models.layers.apply_rotary``; the cos / sin tables get no gradient (they never need one)."""
+    """As ``kernels.rotary.apply_rotary``; the cos / sin tables get no gradient (they never need one)."""
     if cos_BTR.requires_grad or sin_BTR.requires_grad:
         raise ValueError("triton apply_rotary does not differentiate the cos / sin tables")
     return _Rotary.apply(x_BHTD, cos_BTR, sin_BTR)

@@ -27,11 +27,19 @@ class ModelSpec:
     blocks: str = "model.layers"  # ModuleList of decoder blocks (FSDP units)
     experts: str = "mlp.experts"  # relative to a block: the GroupedExperts module (EP splits its dim 0)
     final: tuple[str, ...] = ("model.norm", "lm_head")  # run after the last block
+    # Context parallelism (Ulysses) splits heads: per token mixer, (model.arch key of the heads split over cp, key
+    # of the heads they share, which are split too or, when fewer than cp, repeated). Checked by parallelisms.
+    cp_heads: tuple[tuple[str, str], ...] = (("num_attention_heads", "num_key_value_heads"),)
     # HF checkpoints may nest the text model (multimodal layouts); maps a prefix on disk to ours.
     hf_prefixes: tuple[tuple[str, str], ...] = (("model.", "model."), ("lm_head.", "lm_head."))
     # Module with the family's config.json translation and on-disk expert names (see models/hf_io.py).
     hf_names: str = "models.{model_type}.hf_names"
     hf_export_type: str | None = None  # export as this registered model_type instead (e.g. multimodal -> text)
+
+
+    def cp_head_counts(self, args: Any) -> list[tuple[str, int, str, int]]:
+        """(key, heads split over cp, key, heads they share) of each token mixer, for the parallel checks."""
+        return [(split, getattr(args, split), shared, getattr(args, shared)) for split, shared in self.cp_heads]
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -62,8 +70,9 @@ def build_args(model_type: str, arch: dict[str, Any]):
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))
 # Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model;
 # the vision tower and MTP head match no prefix and are skipped). Both export as the text model.
+_QWEN3_5_CP_HEADS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads"))
 register(ModelSpec("qwen3_5_moe_text", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
-                   hf_names="models.qwen3_5_moe.hf_names"))
+                   cp_heads=_QWEN3_5_CP_HEADS, hf_names="models.qwen3_5_moe.hf_names"))
 register(ModelSpec("qwen3_5_moe", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
-                   hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
+                   cp_heads=_QWEN3_5_CP_HEADS, hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
                    hf_export_type="qwen3_5_moe_text"))

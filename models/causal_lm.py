@@ -1,4 +1,6 @@
-"""The part every family shares: a decoder (embeddings, blocks, final norm) under an LM head."""
+"""The part every family shares: a decoder (embeddings, blocks, final norm) under an LM head, the block's
+residual structure, and the weight-init loop. A family supplies its blocks' token mixers, its rotary tables and
+any parameter the init loop does not know."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ import torch
 import torch.nn as nn
 
 from kernels.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entropy_sum, softmax_cross_entropy_
-from models.moe import RouterStats
+from models.init import ShardedInit, constant, normal
+from models.layers import RMSNorm, document_ids
+from models.moe import GroupedExperts, RouterStats, TopKRouter
+from models.sequence_ops import SequenceOp, WholeSequence
+
+# Document ids need the whole sequence's position ids (under CP every rank's: gathered).
+FIND_DOCUMENTS = SequenceOp(args=(WholeSequence(dim=-1),), out=None)
 
 
 @dataclass
@@ -36,9 +44,57 @@ class LMHead(nn.Linear):
         return linear_cross_entropy_sum(h_BTD.flatten(0, 1), self.weight, labels_BT.flatten(), ce_fn=self.ce_fn)
 
 
+class MoeDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + moe(norm(x)). A family builds ``input_layernorm``,
+    its token mixer, ``post_attention_layernorm`` and ``mlp`` (a MoE block returning (out, RouterStats)), and says
+    in ``mix`` how the mixer is called."""
+
+    def mix(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats]:
+        x_BTD = x_BTD + self.mix(self.input_layernorm(x_BTD), cos, sin, doc_ids_BT)
+        moe_BTD, stats = self.mlp(self.post_attention_layernorm(x_BTD))
+        return x_BTD + moe_BTD, stats
+
+
+class MoeDecoder(nn.Module):
+    """Embeddings, the blocks and the final norm (transformers' names). A family passes its blocks and norm and
+    says in ``rotary_tables`` how position ids become the (cos, sin) its attention takes."""
+
+    sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"find_documents": FIND_DOCUMENTS}
+
+    def __init__(self, args: Any, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, list[RouterStats]]:
+        h_BTD = self.embed_tokens(input_ids_BT)
+        cos, sin = self.rotary_tables(position_ids, h_BTD.dtype)
+        doc_ids_BT = self.find_documents(position_ids)
+        stats = []
+        for layer in self.layers:
+            h_BTD, layer_stats = layer(h_BTD, cos, sin, doc_ids_BT)
+            stats.append(layer_stats)
+        return self.norm(h_BTD), stats
+
+    def find_documents(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """Document ids of the whole sequence (a sequence op: under CP, of every cp rank's position ids)."""
+        return document_ids(position_ids)
+
+
 class MoeCausalLM(nn.Module):
     """``model`` (the family's ``decoder_cls``, built from ``args``) and ``lm_head``, with transformers' names.
-    A family subclass sets ``decoder_cls`` and writes ``init_weights``."""
+    A family subclass sets ``decoder_cls`` (and ``init_module`` for parameters the init loop does not know)."""
 
     decoder_cls: ClassVar[type[nn.Module]]
 
@@ -60,3 +116,23 @@ class MoeCausalLM(nn.Module):
         if labels_BT is None:
             return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
         return CausalLMOutput(logits=None, router_stats=stats, loss_sum=self.lm_head(h_BTD, labels_BT))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """transformers' init: N(0, initializer_range) for matrices, convolutions, embeddings, routers and experts,
+        norms at their ``init_value``, the rest by the family's ``init_module``. The values depend on the seed and
+        parameter names only, not on the parallel layout."""
+        init, std = ShardedInit(self, seed), normal(self.args.initializer_range)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, TopKRouter)):
+                init(module.weight, std)
+            elif isinstance(module, RMSNorm):
+                init(module.weight, constant(module.init_value))
+            elif isinstance(module, GroupedExperts):
+                init(module.gate_up_proj, std)
+                init(module.down_proj, std)
+            else:
+                self.init_module(module, init)
+
+    def init_module(self, module: nn.Module, init: ShardedInit) -> None:
+        """Initialise a family-specific module's own parameters (none by default)."""

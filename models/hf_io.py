@@ -1,10 +1,9 @@
 """Hugging Face interop for every registered family: config.json <-> Args, safetensors <-> our parameters.
 
-Generic over the ``ModelSpec`` registry. What a family spells differently lives in its ``hf_names`` module
-(``ModelSpec.hf_names``, e.g. ``models/qwen3_moe/hf_names.py``), which provides:
+Generic over the ``ModelSpec`` registry. Every family's experts are ``GroupedExperts`` (fused ``gate_up_proj``,
+``down_proj``), stored per expert on disk as ``EXPERT_WEIGHTS`` below says. What a family spells differently lives
+in its ``hf_names`` module (``ModelSpec.hf_names``, e.g. ``models/qwen3_moe/hf_names.py``), which provides:
 
-- ``EXPERT_WEIGHTS``: fused expert parameter -> per-expert on-disk tensors (``<experts>.J.<part>``) that are
-  concatenated along dim 0 and stacked over J to make it;
 - ``arch_from_config(cfg) -> dict`` (Args fields) and ``config_from_arch(args) -> dict`` (config.json keys);
 - ``unsupported(cfg) -> list[str]``: features switched on in config.json that the family does not implement.
 
@@ -39,6 +38,13 @@ from models import ModelSpec, build_args, get_spec
 from models.init import local_box
 
 logger = logging.getLogger(__name__)
+
+# Fused expert parameter -> the per-expert on-disk tensors (under ``<experts>.J.``) that are concatenated along
+# dim 0 and stacked over J to make it (hub checkpoints and transformers 5's save_pretrained).
+EXPERT_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
+    "down_proj": ("down_proj.weight",),
+}
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -79,12 +85,13 @@ def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Any]:
 
 
 def preset_differences(args: Any, cfg: dict[str, Any]) -> list[str]:
-    """'field: preset X vs config.json Y' for every Args field where ``args`` and config.json disagree."""
+    """'field: preset X vs config.json Y' for every Args field where ``args`` and config.json disagree, by name."""
     model_type, hf_args = args_from_hf_config(cfg)
     if type(hf_args) is not type(args):
         return [f"model_type: preset {type(args).__name__} vs config.json {model_type}"]
     return [f"{f.name}: preset {getattr(args, f.name)!r} vs config.json {getattr(hf_args, f.name)!r}"
-            for f in dataclasses.fields(args) if getattr(args, f.name) != getattr(hf_args, f.name)]
+            for f in sorted(dataclasses.fields(args), key=lambda f: f.name)
+            if getattr(args, f.name) != getattr(hf_args, f.name)]
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -177,8 +184,7 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
     from its config.json). Per-expert tensors become one fused source; raises listing any missing expert."""
     hf_dir = Path(hf_dir)
     spec = get_spec(read_hf_config(hf_dir)["model_type"])
-    expert_weights: dict[str, tuple[str, ...]] = _hf_names(spec).EXPERT_WEIGHTS
-    part_of = {part: (fused, i) for fused, parts in expert_weights.items() for i, part in enumerate(parts)}
+    part_of = {part: (fused, i) for fused, parts in EXPERT_WEIGHTS.items() for i, part in enumerate(parts)}
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.(\d+)\.(.+)$")
     sources: dict[str, _Source] = {}
     per_expert: dict[str, dict[tuple[int, int], Any]] = defaultdict(dict)  # fused name -> {(part, expert): slice}
@@ -200,7 +206,7 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
         gaps = []
         for name, handles in per_expert.items():
             module, fused = name.rsplit(".", 1)
-            parts = expert_weights[fused]
+            parts = EXPERT_WEIGHTS[fused]
             num_experts = 1 + max(j for _, j in handles)
             absent = [f"{module}.{j}.{part}" for j in range(num_experts) for i, part in enumerate(parts)
                       if (i, j) not in handles]
@@ -282,15 +288,14 @@ def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
 
 def _disk_tensors(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict in on-disk names, fused experts split per expert (views: no copies yet)."""
-    expert_weights: dict[str, tuple[str, ...]] = _hf_names(spec).EXPERT_WEIGHTS
-    fused_re = re.compile(rf"^({_experts_module_re(spec)})\.({'|'.join(map(re.escape, expert_weights))})$")
+    fused_re = re.compile(rf"^({_experts_module_re(spec)})\.({'|'.join(map(re.escape, EXPERT_WEIGHTS))})$")
     out = {}
     for name in sorted(state):
         match = fused_re.match(name)
         if match is None:
             out[_to_disk(spec, name)] = state[name]
             continue
-        parts = expert_weights[match[2]]
+        parts = EXPERT_WEIGHTS[match[2]]
         for j, w_RC in enumerate(state[name]):  # R = parts x rows of one part
             for part, w_part in zip(parts, w_RC.chunk(len(parts), dim=0)):
                 out[_to_disk(spec, f"{match[1]}.{j}.{part}")] = w_part

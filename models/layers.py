@@ -1,16 +1,18 @@
-"""Building blocks shared by the model families: RMSNorm, SwiGLU and rotary position embeddings.
+"""Building blocks shared by the model families: RMSNorm, rotary tables, document masks and causal attention.
 
 Shape letters used across models/: B batch, T sequence, D hidden, H query heads, Hkv key/value heads,
 Dh head dim, E experts, K top-k, I expert intermediate, N tokens (B*T), M routed rows (N*K).
 
 Kernel slots: a module class may declare ``kernel_slots`` (attribute -> op name). It calls that op through the
-attribute, which holds the torch reference by default; ``kernels.registry.apply_kernels`` installs device kernels
-with the same signature from the outside, so the model never imports a device package.
+attribute, which holds the op's torch reference by default (``kernels/norm.py``, ``swiglu.py``, ``rotary.py``,
+``delta_rule.py``, each beside its device kernels in the layer below); ``kernels.registry.apply_kernels`` installs
+device kernels with the same signature from the outside, so the model never imports a device package.
 
 Sequence ops: the few ops that mix tokens across the sequence (attention's core, DeltaNet's conv and delta rule, and
-finding documents from position ids) are methods a module declares in ``sequence_ops`` (method -> kind).
-``parallelisms/context_parallel.py`` wraps them on the instance for context parallelism (a head shard of the whole
-sequence inside, the local tokens outside); everything else in the model is token-wise and never knows.
+finding documents from position ids) are methods a module declares in ``sequence_ops`` (method -> ``SequenceOp``,
+``models/sequence_ops.py``: what each argument is in terms of sequence and heads). ``parallelisms/context_parallel.py``
+wraps them on the instance for context parallelism (a head shard of the whole sequence inside, the local tokens
+outside); everything else in the model is token-wise and never knows.
 
 Packed documents: position ids restart at each document (``document_ids``); attention then stays within documents
 and DeltaNet restarts its state and conv window, as if every document were its own row.
@@ -24,22 +26,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.norm import rms_norm
+from kernels.rotary import apply_rotary, rotate_half
+from kernels.swiglu import packed_swiglu, swiglu
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``w * x / rms(x)``, normalised in fp32 and cast back before the weight, as transformers' Qwen3 RMSNorm."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def packed_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a packed [..., 2I] projection whose halves are [gate | up] (fused experts)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+__all__ = ["RMSNorm", "apply_rotary", "causal_attention", "document_cu_seqlens", "document_ids", "packed_swiglu",
+           "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]  # the references too: the families' slot defaults
 
 
 class RMSNorm(nn.Module):
@@ -74,20 +66,6 @@ def rotary_cos_sin(
     freqs_BTR = position_ids_BT.float()[..., None] * inv_freq  # R = rotary_dim / 2
     emb_BTD = torch.cat((freqs_BTR, freqs_BTR), dim=-1)
     return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` channels of every head (all of them for full rotary)."""
-    rot = cos_BTD.shape[-1]
-    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-    x_rot, x_pass = x_BHTD[..., :rot], x_BHTD[..., rot:]
-    x_rot = x_rot * cos + rotate_half(x_rot) * sin
-    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot
 
 
 def document_ids(position_ids_BT: torch.Tensor) -> torch.Tensor | None:

@@ -1,21 +1,23 @@
-"""Mixture-of-experts pieces shared by the families: softmax top-k router, fused expert weights and
-the local (single-rank) token dispatcher.
+"""Mixture-of-experts pieces shared by the families: softmax top-k router, fused expert weights, the expert
+computation and the local (single-rank) token dispatcher.
 
 The experts delegate token movement to ``self.dispatcher``: the model only ever sees the local one,
-and ``parallelisms/`` swaps in an expert-parallel dispatcher (all-to-all) without the model knowing.
+and ``parallelisms/`` swaps in an expert-parallel dispatcher (all-to-all; the interface is
+``parallelisms.dispatchers.base.Dispatcher``) without the model knowing. Every dispatcher runs the experts
+through ``compute_experts``, with the weights it holds passed in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Mapping
+from typing import Callable, ClassVar, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.grouped_mm import grouped_mm
-from models.layers import packed_swiglu
+from kernels.swiglu import packed_swiglu
 
 
 @dataclass
@@ -55,14 +57,37 @@ class TopKRouter(nn.Module):
         return weights_NK.to(logits_NE.dtype), experts_NK, stats
 
 
-class LocalDispatcher:
-    """All experts live on this rank: sort the routed rows by expert, run them, scatter back."""
+class ExpertWeights(NamedTuple):
+    """What the expert computation runs on: the experts' fused SwiGLU projections and the activation kernel
+    between them. E is whatever experts the holder runs: all of them, or under EP one rank's local ones."""
 
-    def __call__(self, experts: "GroupedExperts", x_ND: torch.Tensor, experts_NK: torch.Tensor,
+    gate_up_proj: torch.Tensor  # [E, 2I, D], rows [gate; up]
+    down_proj: torch.Tensor  # [E, D, I]
+    act_fn: Callable[[torch.Tensor], torch.Tensor]  # [M, 2I] -> [M, I]: the packed_swiglu kernel slot
+
+
+def compute_experts(w: ExpertWeights, x_MD: torch.Tensor, counts_E: torch.Tensor,
+                    counts_host: list[int] | None = None) -> torch.Tensor:
+    """Rows of x_MD sorted by expert (``counts_E`` rows for each of w's E experts, in order) -> the expert
+    outputs [M, D], same order. The weights are plain tensors (a rank's local blocks under EP). ``counts_host``:
+    the same counts as Python ints where the caller has them (a grouped GEMM kernel may need them on the host)."""
+    gate_up_M2I = grouped_mm(x_MD, w.gate_up_proj.transpose(-2, -1), counts_E, counts_host)
+    return grouped_mm(w.act_fn(gate_up_M2I), w.down_proj.transpose(-2, -1), counts_E, counts_host)
+
+
+# A GroupedExperts.dispatcher: (weights as the module holds them, x_ND, experts_NK, weights_NK) -> y_ND.
+DispatchFn = Callable[[ExpertWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LocalDispatcher:
+    """All experts live on this rank: sort the routed rows by expert, run them, scatter back. The reference
+    every expert-parallel dispatcher reproduces (same call, ``parallelisms.dispatchers.base.Dispatcher``)."""
+
+    def __call__(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
-        order_M, counts_E = sort_by_expert(experts_NK, experts.num_experts)
+        order_M, counts_E = sort_by_expert(experts_NK, experts.gate_up_proj.shape[0])
         token_M = order_M // experts_NK.shape[1]
-        out_MD = experts.compute(x_ND[token_M], counts_E)
+        out_MD = compute_experts(experts, x_ND[token_M], counts_E)
         return combine(out_MD, weights_NK.flatten()[order_M], token_M, x_ND.shape[0])
 
 
@@ -97,16 +122,16 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher: DispatchFn = LocalDispatcher()
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = packed_swiglu
 
     def forward(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-        return self.dispatcher(self, x_ND, experts_NK, weights_NK)
+        return self.dispatcher(self.expert_weights(), x_ND, experts_NK, weights_NK)
 
-    def compute(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Rows of x_MD sorted by local expert (``counts_E`` each) -> expert outputs, same order."""
-        gate_up_M2I = grouped_mm(x_MD, self.gate_up_proj.transpose(-2, -1), counts_E)
-        return grouped_mm(self.act_fn(gate_up_M2I), self.down_proj.transpose(-2, -1), counts_E)
+    def expert_weights(self) -> ExpertWeights:
+        """The weights as this module holds them now (under EP: DTensors of global shape [E, ...], which the
+        dispatcher turns into its local blocks) and the activation kernel the registry put in the slot."""
+        return ExpertWeights(self.gate_up_proj, self.down_proj, self.act_fn)
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,15 +1,17 @@
 """Ulysses context parallelism (``parallel.cp_mode=ulysses``).
 
 Each of the cp ranks of a dp slice holds a contiguous 1/cp of every sequence (``training.data.context_shard``).
-Around each sequence op a model declares (``sequence_ops``, see ``models/layers.py``) an all-to-all trades the
-sequence shard for a head shard: the op runs on 1/cp of the heads over the whole sequence, and a second all-to-all
-trades back. Everything else is token-wise and runs on the local tokens unchanged: projections, norms, RoPE (each
-token with its own position id), the MoE layers with their EP all-to-all.
+Around each sequence op a model declares (``sequence_ops``, see ``models/sequence_ops.py``) an all-to-all trades
+the sequence shard for a head shard: the op runs on 1/cp of the heads over the whole sequence, and a second
+all-to-all trades back. Everything else is token-wise and runs on the local tokens unchanged: projections, norms,
+RoPE (each token with its own position id), the MoE layers with their EP all-to-all. The declaration says what
+each argument is, so nothing here knows a model:
 
-- attention: q, k, v [B, H, t, d] -> [B, H/cp, T, d]; the output back.
-- delta_rule (Gated DeltaNet): q, k, v, g, beta -> head shards; the conv taps [heads, ., K] are sliced to the same
-  heads, so the causal conv runs on the whole sequence of this rank's channels; the output back.
-- documents: document ids need every rank's position ids: one all-gather per forward.
+- ``Heads`` (e.g. attention's q, k, v [B, H, t, d] -> [B, H/cp, T, d]; DeltaNet's q, k, v, g, beta): one
+  all-to-all per dtype for all of an op's head arguments; the result back the same way.
+- ``HeadWeights`` (e.g. DeltaNet's conv taps [heads, ., K]): sliced to this rank's heads, so the causal conv runs
+  on the whole sequence of this rank's channels.
+- ``WholeSequence`` (the position ids that document ids come from): one all-gather per forward.
 
 Heads fewer than cp (attention's kv heads, DeltaNet's q/k heads) are repeated to cp first (validate checks that cp
 is a multiple of their count), so each rank receives the one head its query/value heads share; autograd sums the
@@ -32,21 +34,63 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_gather_tensor, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.sequence_ops import Heads, HeadWeights, SequenceOp, WholeSequence
+
 Tensor = torch.Tensor
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Wrap every sequence op of ``model`` for Ulysses CP over ``cp_mesh``, in place."""
+    """Wrap every sequence op of ``model`` (``sequence_ops``, see ``models/sequence_ops.py``) for Ulysses CP over
+    ``cp_mesh``, in place."""
     group = cp_mesh.get_group()
-    wrappers = {"attention": _ulysses_attention, "delta_rule": _ulysses_delta_rule, "documents": _gathered_documents}
-    kinds = set()
+    roles = []
     for module in model.modules():
-        for attr, kind in getattr(module, "sequence_ops", {}).items():
-            setattr(module, attr, wrappers[kind](getattr(module, attr), group))
-            kinds.add(kind)
-    if "documents" not in kinds or not kinds & {"attention", "delta_rule"}:
-        raise ValueError(f"{type(model).__name__} declares sequence ops {sorted(kinds)}; context parallelism needs "
-                         "'documents' and at least one token mixer (see sequence_ops in models/layers.py)")
+        for attr, op in getattr(module, "sequence_ops", {}).items():
+            setattr(module, attr, _ulysses(getattr(module, attr), op, group))
+            roles += _flat(op.args)
+    if not any(isinstance(r, Heads) for r in roles) or not any(isinstance(r, WholeSequence) for r in roles):
+        raise ValueError(f"{type(model).__name__} declares no sequence op over heads, or none that takes the whole "
+                         "sequence's positions; context parallelism needs both (see models/sequence_ops.py)")
+
+
+def _flat(roles: tuple) -> list:
+    return [leaf for r in roles for leaf in (_flat(r) if isinstance(r, tuple) else [r])]
+
+
+def _ulysses(op: Callable[..., Any], spec: SequenceOp, group: dist.ProcessGroup) -> Callable[..., Any]:
+    """``op`` on a head shard of the whole sequence, called with (and returning) the local tokens: one all-to-all
+    for the ``Heads`` arguments (per dtype), this rank's slice of ``HeadWeights``, ``WholeSequence`` gathered."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def prepare(value: Any, role: Any) -> Any:
+        if isinstance(role, tuple):
+            return tuple(prepare(v, r) for v, r in zip(value, role))
+        if isinstance(role, HeadWeights):
+            w = _spread_heads(value, role.dim, cp) if role.shared else value
+            return w.chunk(cp, dim=role.dim)[rank]  # whole on every rank (FSDP gathered it): this rank's heads
+        if isinstance(role, WholeSequence):
+            return all_gather_tensor(value.contiguous(), gather_dim=role.dim % value.dim(), group=group)
+        return value  # Passed
+
+    @functools.wraps(op)
+    def wrapped(*args: Any) -> Any:
+        heads = [i for i, role in enumerate(spec.args) if isinstance(role, Heads)]
+        # [B, t, n, *rest]: the layout the all-to-alls split (heads after the sequence); all in one call.
+        xs = [_to_btn(args[i], spec.args[i]) for i in heads]
+        xs = [_spread_heads(x, 2, cp) if spec.args[i].shared else x for i, x in zip(heads, xs)]
+        local = {i: _from_btn(x, spec.args[i]) for i, x in zip(heads, seq_to_heads(xs, group))}
+        out = op(*(local[i] if i in local else prepare(a, r) for i, (a, r) in enumerate(zip(args, spec.args))))
+        return out if spec.out is None else _from_btn(heads_to_seq(_to_btn(out, spec.out), group), spec.out)
+
+    return wrapped
+
+
+def _to_btn(x: Tensor, role: Heads) -> Tensor:
+    return x.movedim((role.seq_dim, role.head_dim), (1, 2))
+
+
+def _from_btn(x: Tensor, role: Heads) -> Tensor:
+    return x.movedim((1, 2), (role.seq_dim, role.head_dim))
 
 
 def seq_to_heads(xs: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
@@ -79,44 +123,3 @@ def _spread_heads(x: Tensor, dim: int, cp: int) -> Tensor:
     """Repeat each head cp/n times when there are fewer heads n than cp ranks, so every rank gets a whole one."""
     n = x.shape[dim]
     return x if n % cp == 0 else x.repeat_interleave(cp // n, dim=dim)
-
-
-def _ulysses_attention(core: Callable[..., Tensor], group: dist.ProcessGroup) -> Callable[..., Tensor]:
-    cp = dist.get_world_size(group)
-
-    @functools.wraps(core)
-    def attention(q_BHtd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, doc_ids_BT: Tensor | None) -> Tensor:
-        # [B, t, n, d]: the layout the all-to-alls split (heads after the sequence).
-        q_BtHd, k_Bthd, v_Bthd = (x.transpose(1, 2) for x in (q_BHtd, k_BhTd, v_BhTd))
-        k_Bthd, v_Bthd = _spread_heads(k_Bthd, 2, cp), _spread_heads(v_Bthd, 2, cp)
-        q_BTHd, k_BThd, v_BThd = seq_to_heads([q_BtHd, k_Bthd, v_Bthd], group)
-        o_BHTd = core(q_BTHd.transpose(1, 2), k_BThd.transpose(1, 2), v_BThd.transpose(1, 2), doc_ids_BT)
-        return heads_to_seq(o_BHTd.transpose(1, 2), group).transpose(1, 2)
-
-    return attention
-
-
-def _ulysses_delta_rule(core: Callable[..., Tensor], group: dist.ProcessGroup) -> Callable[..., Tensor]:
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-
-    @functools.wraps(core)
-    def delta_rule(q_Bthk: Tensor, k_Bthk: Tensor, v_BtHv: Tensor, g_BtH: Tensor, beta_BtH: Tensor,
-                   conv_weights: tuple[Tensor, Tensor, Tensor], doc_ids_BT: Tensor | None) -> Tensor:
-        conv_q, conv_k, conv_v = conv_weights  # [h, k, K], [h, k, K], [H, v, K]: the taps of each head's channels
-        q_Bthk, k_Bthk = _spread_heads(q_Bthk, 2, cp), _spread_heads(k_Bthk, 2, cp)
-        conv_q, conv_k = _spread_heads(conv_q, 0, cp), _spread_heads(conv_k, 0, cp)
-        local = seq_to_heads([q_Bthk, k_Bthk, v_BtHv, g_BtH, beta_BtH], group)
-        # The weights are whole on every rank (FSDP has gathered them): take this rank's heads' taps.
-        conv_local = tuple(w.chunk(cp)[rank] for w in (conv_q, conv_k, conv_v))
-        return heads_to_seq(core(*local, conv_local, doc_ids_BT), group)
-
-    return delta_rule
-
-
-def _gathered_documents(find: Callable[[Tensor], Any], group: dist.ProcessGroup) -> Callable[[Tensor], Any]:
-    @functools.wraps(find)
-    def find_documents(position_ids: Tensor) -> Any:
-        # The local position ids stay for RoPE; the documents are those of the whole sequence.
-        return find(all_gather_tensor(position_ids.contiguous(), gather_dim=position_ids.dim() - 1, group=group))
-
-    return find_documents

@@ -20,8 +20,8 @@ from typing import Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from core.device import dist_backend, local_device
 from parallelisms.config import ParallelConfig
-from training.device import dist_backend, local_device
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,12 @@ class ParallelSizes:
 
 
 def resolve_sizes(cfg: ParallelConfig, world_size: int) -> ParallelSizes:
-    """Fill in the -1 (derived) fields: the one place derived sizes are computed. No checks here:
-    ``validate_parallel_config`` runs first and names the key of anything that does not divide."""
+    """The derived sizes (dp, mp_shard, edp, and efsdp when -1): the one place they are computed. No checks
+    here: ``validate_parallel_config`` runs first and names the key of anything that does not divide."""
     cp = cfg.cp_size
     dp = world_size // cp
-    ep = cfg.backend.ep_size
-    efsdp = dp // ep if cfg.backend.efsdp_size == -1 else cfg.backend.efsdp_size
+    ep = cfg.ep_size
+    efsdp = dp // ep if cfg.efsdp_size == -1 else cfg.efsdp_size
     mp_replicate = cfg.mp_replicate_size
     return ParallelSizes(world_size=world_size, dp=dp, cp=cp, ep=ep, efsdp=efsdp, edp=dp // (ep * efsdp),
                          mp_replicate=mp_replicate, mp_shard=world_size // mp_replicate)

@@ -17,19 +17,22 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 import models
+from core.device import local_device
 from models import ModelSpec
 from models.moe import GroupedExperts
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.dims import ParallelDims
+from parallelisms.dispatchers import DispatcherConfig
 from parallelisms.expert_parallel import apply_expert_parallel
-from training.device import local_device
 
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelConfig,
-                      param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> nn.Module:
-    """Shard or replicate ``model`` (usually still on the meta device) in place and return it."""
+                      param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                      dispatcher: DispatcherConfig | None = None) -> nn.Module:
+    """Shard or replicate ``model`` (usually still on the meta device) in place and return it. ``dispatcher``:
+    the ``dispatcher`` group, which EP (parallel.ep_size > 1) installs on every experts module; None: eager."""
     apply_activation_checkpointing(model.get_submodule(spec.blocks), cfg.activation_checkpoint)
     if dims.cp > 1:
         apply_context_parallel(model, dims.mesh("cp"))
@@ -41,13 +44,13 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
         # stay in their dtype: bf16 compute under DDP is the caller's autocast.
         return replicate(model, device_id=local_device(dims.mesh("world").device_type))
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    return _apply_fsdp2_plan(model, spec, dims, cfg.backend, mp_policy)
+    return _apply_fsdp2_plan(model, spec, dims, cfg.backend, dispatcher or DispatcherConfig(), mp_policy)
 
 
 def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
-                          param_dtype: torch.dtype = torch.float32,
-                          reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
-    return parallelize_model(model, models.get_spec("qwen3_moe"), dims, cfg, param_dtype, reduce_dtype)
+                          param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
+                          dispatcher: DispatcherConfig | None = None) -> nn.Module:
+    return parallelize_model(model, models.get_spec("qwen3_moe"), dims, cfg, param_dtype, reduce_dtype, dispatcher)
 
 
 def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:
@@ -57,7 +60,7 @@ def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:
 
 
 def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, backend: BackendConfig,
-                      mp_policy: MixedPrecisionPolicy) -> nn.Module:
+                      dispatcher: DispatcherConfig, mp_policy: MixedPrecisionPolicy) -> nn.Module:
     blocks = list(model.get_submodule(spec.blocks))
     experts = [block.get_submodule(spec.experts) for block in blocks]
     embeddings = model.get_submodule(spec.embeddings)
@@ -65,7 +68,7 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
     _check_untied(embeddings, final)
     fsdp_kwargs = dict(mp_policy=mp_policy, reshard_after_forward=backend.reshard_after_forward)
 
-    shard_experts(experts, dims, backend, mp_policy)  # 1. EP, 2. expert FSDP
+    shard_experts(experts, dims, backend, mp_policy, dispatcher)  # 1. EP, 2. expert FSDP
 
     # 3. Outer FSDP units over the model mesh, whose default average over dp x cp ranks matches grad_scale.
     # fully_shard skips parameters that a nested fully_shard already manages: the experts keep theirs.
@@ -92,13 +95,14 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
 
 
 def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: BackendConfig,
-                  mp_policy: MixedPrecisionPolicy) -> None:
-    """Steps 1 and 2 of the plan for the experts of every block: EP, then expert FSDP."""
+                  mp_policy: MixedPrecisionPolicy, dispatcher: DispatcherConfig | None = None) -> None:
+    """Steps 1 and 2 of the plan for the experts of every block: EP (``dispatcher``, None: eager), then
+    expert FSDP."""
     num_experts = experts[0].num_experts
     # 1. EP: each ep rank keeps E/ep experts; the dispatcher all-to-alls the tokens to them.
     if dims.ep > 1:
         for module in experts:
-            apply_expert_parallel(module, dims.mesh("ep"), backend.ep_dispatcher)
+            apply_expert_parallel(module, dims.mesh("ep"), dispatcher or DispatcherConfig())
 
     # 2. Expert FSDP over efsdp (replicated over edp and expert_cp). Expert gradients are not averaged over
     # this mesh alone: each rank's expert gradient already sums, through the all-to-all backward, the
@@ -130,7 +134,7 @@ def _check_even(experts: nn.Module, dim: int, efsdp: int) -> None:
     for name, param in experts.named_parameters(recurse=False):
         if param.shape[dim] % efsdp:
             raise ValueError(f"experts.{name} {tuple(param.shape)}: efsdp={efsdp} > experts per ep rank, so FSDP "
-                             f"shards dim {dim}, which must be divisible by efsdp; fix: parallel.backend.efsdp_size "
+                             f"shards dim {dim}, which must be divisible by efsdp; fix: parallel.efsdp_size "
                              f"dividing {param.shape[dim]}")
 
 

@@ -7,11 +7,9 @@ NotImplementedError saying so, never a silent fallback.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Sequence
 
 from parallelisms.config import ACTIVATION_CHECKPOINT_MODES, BACKENDS, CP_MODES, ParallelConfig
-from parallelisms.dispatchers import dispatcher_class
 
 
 def _check(ok: bool, message: str) -> None:
@@ -23,27 +21,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# Ulysses splits the first heads of each pair over the cp ranks; the second (shared by them) too, or, when fewer
-# than cp, repeats them: attention's query and key/value heads, DeltaNet's value and query/key heads (model.arch).
-_CP_HEADS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads"))
+HeadCounts = Sequence[tuple[str, int, str, int]]  # per token mixer: (model.arch key, heads split over cp, key, shared)
 
 
-def _cp_fits(cp: int, arch: Mapping[str, Any], seq_len: int) -> bool:
-    pairs = [(arch[split], arch[shared]) for split, shared in _CP_HEADS if split in arch]
-    return seq_len % cp == 0 and all(n % cp == 0 and (m % cp == 0 or cp % m == 0) for n, m in pairs)
+def _cp_fits(cp: int, heads: HeadCounts, seq_len: int) -> bool:
+    return seq_len % cp == 0 and all(n % cp == 0 and (m % cp == 0 or cp % m == 0) for _, n, _, m in heads)
 
 
-def _check_context_parallel(cp: int, world_size: int, arch: Mapping[str, Any] | None, seq_len: int | None) -> None:
-    _check(arch is not None and seq_len is not None,
+def _check_context_parallel(cp: int, world_size: int, heads: HeadCounts | None, seq_len: int | None) -> None:
+    """Ulysses splits each mixer's heads over the cp ranks, and the heads they share too or, when fewer than cp,
+    repeats them (``ModelSpec.cp_heads`` declares which: e.g. attention's query and key/value heads)."""
+    _check(heads is not None and seq_len is not None,
            f"parallel.cp_size={cp}: checking context parallelism needs the model's head counts and data.seq_len "
-           "(validate_parallel_config(..., arch=..., seq_len=...))")
-    fix = f"fix: parallel.cp_size one of {[d for d in _divisors(world_size) if _cp_fits(d, arch, seq_len)]}"
+           "(validate_parallel_config(..., heads=..., seq_len=...))")
+    fix = f"fix: parallel.cp_size one of {[d for d in _divisors(world_size) if _cp_fits(d, heads, seq_len)]}"
     _check(seq_len % cp == 0, f"data.seq_len={seq_len} must be divisible by parallel.cp_size={cp} (each cp rank "
                               f"holds seq_len / cp tokens); {fix}, or data.seq_len a multiple of {cp}")
-    for split, shared in _CP_HEADS:
-        if split not in arch:
-            continue
-        n, m = arch[split], arch[shared]
+    for split, n, shared, m in heads:
         _check(n % cp == 0, f"model.arch.{split}={n} must be divisible by parallel.cp_size={cp} (Ulysses gives each "
                             f"cp rank {n} / cp heads); {fix}")
         _check(m % cp == 0 or cp % m == 0,
@@ -52,12 +46,11 @@ def _check_context_parallel(cp: int, world_size: int, arch: Mapping[str, Any] | 
 
 
 def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: int,
-                             arch: Mapping[str, Any] | None = None, seq_len: int | None = None) -> None:
-    """``arch``: the model's hyper-parameters (its head counts) and ``seq_len``: data.seq_len; needed when
-    parallel.cp_size > 1."""
+                             heads: HeadCounts | None = None, seq_len: int | None = None) -> None:
+    """``heads``: the model's head counts that context parallelism splits (``ModelSpec.cp_head_counts``) and
+    ``seq_len``: data.seq_len; needed when parallel.cp_size > 1."""
     b = cfg.backend
     _check(b.name in BACKENDS, f"parallel.backend.name={b.name!r} is unknown; choose one of {', '.join(BACKENDS)}")
-    dispatcher_class(b.ep_dispatcher)  # unknown or not-yet-implemented names fail here, before any group
     _check(cfg.activation_checkpoint in ACTIVATION_CHECKPOINT_MODES,
            f"parallel.activation_checkpoint={cfg.activation_checkpoint!r} must be one of "
            f"{', '.join(ACTIVATION_CHECKPOINT_MODES)}")
@@ -69,29 +62,24 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: 
     _check(cp >= 1 and world_size % cp == 0,
            f"parallel.cp_size={cp} must divide the world size {world_size}; fix: one of {_divisors(world_size)}")
     if cp > 1:
-        _check_context_parallel(cp, world_size, arch, seq_len)
-    dp = world_size // cp
-    _check(cfg.dp_size in (-1, dp), f"parallel.dp_size={cfg.dp_size} must equal world size {world_size} / "
-                                    f"parallel.cp_size {cp} = {dp}; fix: parallel.dp_size=-1 (derived)")
+        _check_context_parallel(cp, world_size, heads, seq_len)
+    dp = world_size // cp  # derived, as mp_shard below: dims.resolve_sizes
     rep = cfg.mp_replicate_size
     _check(rep >= 1 and world_size % rep == 0, f"parallel.mp_replicate_size={rep} must divide the world size "
                                                f"{world_size}; fix: one of {_divisors(world_size)}")
-    _check(cfg.mp_shard_size in (-1, world_size // rep),
-           f"parallel.mp_shard_size={cfg.mp_shard_size} must equal world size {world_size} / "
-           f"parallel.mp_replicate_size {rep} = {world_size // rep}; fix: parallel.mp_shard_size=-1 (derived)")
 
     # Experts: dp = edp x efsdp x ep.
-    ep = b.ep_size
-    _check(ep >= 1 and dp % ep == 0, f"parallel.backend.ep_size={ep} must divide dp={dp} (world {world_size} / "
-                                     f"cp {cp}); fix: parallel.backend.ep_size one of {_divisors(dp)}")
+    ep = cfg.ep_size
+    _check(ep >= 1 and dp % ep == 0, f"parallel.ep_size={ep} must divide dp={dp} (world {world_size} / "
+                                     f"cp {cp}); fix: parallel.ep_size one of {_divisors(dp)}")
     _check(num_experts % ep == 0,
-           f"parallel.backend.ep_size={ep} must divide model.arch.num_experts={num_experts} (each EP rank holds "
-           f"num_experts / ep experts); fix: parallel.backend.ep_size one of "
+           f"parallel.ep_size={ep} must divide model.arch.num_experts={num_experts} (each EP rank holds "
+           f"num_experts / ep experts); fix: parallel.ep_size one of "
            f"{[d for d in _divisors(dp) if num_experts % d == 0]}")
-    efsdp = b.efsdp_size
+    efsdp = cfg.efsdp_size
     _check(efsdp == -1 or (efsdp >= 1 and (dp // ep) % efsdp == 0),
-           f"parallel.backend.efsdp_size={efsdp} must divide dp/ep={dp // ep} (dp {dp} / ep {ep}); fix: "
-           f"parallel.backend.efsdp_size one of {_divisors(dp // ep)}, or -1 for dp/ep (no expert replication)")
+           f"parallel.efsdp_size={efsdp} must divide dp/ep={dp // ep} (dp {dp} / ep {ep}); fix: "
+           f"parallel.efsdp_size one of {_divisors(dp // ep)}, or -1 for dp/ep (no expert replication)")
 
     # What each backend can do.
     if b.name == "none":
@@ -101,7 +89,7 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: 
     _check(world_size > 1, f"parallel.backend.name={b.name} needs more than one process (WORLD_SIZE=1); fix: "
                            "launch with torchrun --nproc-per-node N, or use parallel=single")
     if b.name == "ddp":
-        sharded = {"parallel.backend.ep_size": (ep, 1), "parallel.mp_replicate_size": (rep, 1),
+        sharded = {"parallel.ep_size": (ep, 1), "parallel.mp_replicate_size": (rep, 1),
                    "parallel.backend.fsdp_ignored_modules": (list(b.fsdp_ignored_modules), [])}
         for key, (value, plain) in sharded.items():
             _check(value == plain, f"{key}={value}: parallel.backend.name=ddp replicates every parameter and "

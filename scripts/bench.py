@@ -8,7 +8,7 @@ with fp32 master weights, optimizer state and gradient reduction. Steps before -
 FLOPs per token are counted as torchtitan does (``flops_per_token`` of the model's args): 6 x active
 non-embedding parameters (LM head included) + 12 x layers x heads x head_dim x seq_len for attention
 (Qwen3.5: full-attention layers only, plus the documented DeltaNet term). MFU = achieved / peak dense bf16
-(training/device.py's table; 989 TFLOP/s for an H100/H200).
+(core/device.py's table; 989 TFLOP/s for an H100/H200).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
     python scripts/check_kernels.py [--kernels auto,flash-linear-attention] [--chunk-size 64] [--device auto]
 
 Shapes: Qwen3.5-35B-A3B (hidden 2048, DeltaNet 16 k-heads x 128 and 32 v-heads x 128, attention heads of 256 with
-64 rotary channels, shared expert 512) and Qwen3-30B-A3B (heads of 128), 4 x 4096 tokens (2 x 4096 for the
-delta rule), bf16 activations and weights as under FSDP mixed precision.
+64 rotary channels, shared expert 512) and Qwen3-30B-A3B (heads of 128; 128 experts top-8 of intermediate 768,
+16 local under ep8), 4 x 4096 tokens (2 x 4096 for the delta rule), bf16 activations and weights as under FSDP
+mixed precision. The dispatch path's ops too: the permutes' K-to-one steps, the token permutes, the grouped GEMM.
 
 Error: ``|out - ref| / |ref|`` (norm-wise) of every output and input gradient, where ``ref`` is the torch
 reference run in fp32 on the same inputs; the torch reference's own bf16 error is printed beside it as the
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.config import FLA_OPS, KernelConfig, validate_kernel_config  # noqa: E402
 from kernels.registry import OPS, select_kernels  # noqa: E402
-from training import device  # noqa: E402
+from core import device  # noqa: E402
 
 Inputs = dict[str, torch.Tensor]
 # Elementwise ops and norms round once more than the fp32 reference, ~2^-9 relative per element (bf16):
@@ -44,7 +45,8 @@ TOL_DELTA_RULE = 2e-2
 @dataclass(frozen=True)
 class Case:
     name: str
-    make: Callable[[torch.Generator, torch.device], Inputs]  # the tensors (gradients are checked for all of them)
+    # The tensors; gradients are checked for every floating-point one (integer maps and counts are constants).
+    make: Callable[[torch.Generator, torch.device], Inputs]
     call: Callable[[Callable, Inputs], torch.Tensor]  # how the model calls the op; returns the output checked
     tol: float
     backward: bool = True
@@ -113,6 +115,70 @@ def _ce_case(name: str, call: Callable[[Callable, Inputs], torch.Tensor]) -> Cas
                 backward=False)
 
 
+T_ROUTED, K_TOP, E_LOCAL, D_HIDDEN, I_EXPERT = 4 * 4096, 8, 16, 2048, 768  # Qwen3-30B-A3B, one rank's tokens
+
+
+def _routing(gen: torch.Generator, dev: torch.device, N: int, K: int, E: int) -> torch.Tensor:
+    """experts_NK: K distinct experts per token, as top-k gives."""
+    return torch.rand(N, E, generator=gen, device=dev).topk(K, dim=-1).indices
+
+
+def _maps(gen: torch.Generator, dev: torch.device) -> Inputs:
+    order = torch.argsort(_routing(gen, dev, T_ROUTED, K_TOP, 128).flatten(), stable=True)
+    return {"order": order, "inv": torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))}
+
+
+def _gather_case(name: str, weighted: bool) -> Case:
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        inputs = {"src": _randn(gen, dev, T_ROUTED * K_TOP, D_HIDDEN), **_maps(gen, dev)}
+        if weighted:
+            inputs["weights"] = torch.rand(T_ROUTED, K_TOP, generator=gen, device=dev).bfloat16()
+        return inputs
+
+    # Not autograd functions: the outputs are compared (the unpermute forward / the permute backward).
+    return Case(name, make, lambda fn, t: fn(t["src"], t["inv"], T_ROUTED, K_TOP, t.get("weights")),
+                TOL_ELEMENTWISE, backward=False)
+
+
+def _unpermute_backward_case(name: str, output: int) -> Case:
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        return {"grad": _randn(gen, dev, T_ROUTED, D_HIDDEN), "y": _randn(gen, dev, T_ROUTED * K_TOP, D_HIDDEN),
+                "weights": torch.rand(T_ROUTED, K_TOP, generator=gen, device=dev).bfloat16(), **_maps(gen, dev)}
+
+    return Case(name, make, lambda fn, t: fn(t["grad"], t["y"], t["weights"], t["order"], t["inv"])[output],
+                TOL_ELEMENTWISE, backward=False)
+
+
+def _grouped_mm_case(name: str, rows: int, n_out: int, k_in: int, empty_expert: bool = False) -> Case:
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        share = torch.rand(E_LOCAL, generator=gen, device=dev) + 0.5
+        share[3] = 0 if empty_expert else share[3]
+        counts = (share / share.sum() * rows).long()
+        counts[0] += rows - counts.sum()
+        # x [M, K] rows by local expert; w [G, N, K] as the experts store it (the model passes its transpose).
+        return {"x": _randn(gen, dev, rows, k_in), "w": _randn(gen, dev, E_LOCAL, n_out, k_in, scale=0.02),
+                "counts": counts}
+
+    return Case(name, make, lambda fn, t: fn(t["x"], t["w"].transpose(-2, -1), t["counts"]), TOL_ELEMENTWISE)
+
+
+def _token_inputs(gen: torch.Generator, dev: torch.device) -> Inputs:
+    return {"x": _randn(gen, dev, T_ROUTED, D_HIDDEN), "experts": _routing(gen, dev, T_ROUTED, K_TOP, 128),
+            "weights": torch.rand(T_ROUTED, K_TOP, generator=gen, device=dev).bfloat16()}
+
+
+def _round_trip(permute: Callable, unpermute: Callable) -> Callable:
+    """An unpermute reads its own permute's state, so the two are checked together: x -> K rows -> weighted sum."""
+    def fn(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        x_MD, state = permute(x, experts)
+        return unpermute(x_MD, weights, state)
+
+    return fn
+
+
+PAIRED = {"moe_token_unpermute": "moe_token_permute"}  # op -> the op whose state it reads
+
+
 CASES: dict[str, list[Case]] = {
     "rms_norm": [_norm_case("qwen3 hidden 2048", (4 * 4096, 2048), 1.0),
                  _norm_case("qwen3 q_norm 32 x 128", (4, 4096, 32, 128), 1.0)],
@@ -134,25 +200,41 @@ CASES: dict[str, list[Case]] = {
     # FLA's recurrent kernel has no backward; the model uses it only without autograd, on short sequences.
     "fused_recurrent_gated_delta_rule": [Case("qwen3.5 8 x 64", lambda gen, dev: _delta_inputs(gen, dev, 8, 64),
                                               _delta_call, TOL_DELTA_RULE, backward=False)],
+    "gather_sum": [_gather_case("qwen3 16k tokens top-8, weighted", True),
+                   _gather_case("qwen3 16k tokens top-8", False)],
+    "unpermute_backward": [_unpermute_backward_case("qwen3 16k tokens top-8, grad_y", 0),
+                           _unpermute_backward_case("qwen3 16k tokens top-8, grad_w", 1)],
+    "moe_token_permute": [Case("qwen3 16k tokens top-8", _token_inputs,
+                               lambda fn, t: fn(t["x"], t["experts"])[0], TOL_ELEMENTWISE, constants=("weights",))],
+    "moe_token_unpermute": [Case("qwen3 16k tokens top-8, round trip", _token_inputs,
+                                 lambda fn, t: fn(t["x"], t["experts"], t["weights"]), TOL_ELEMENTWISE)],
+    # Local experts' GEMMs under ep8: gate_up [M, D] x [16, 2I, D]^T, down [M, I] x [16, D, I]^T.
+    "grouped_mm": [_grouped_mm_case("qwen3 ep8 gate_up, 64k rows", 65536, 2 * I_EXPERT, D_HIDDEN),
+                   _grouped_mm_case("qwen3 ep8 down, 64k rows", 65536, D_HIDDEN, I_EXPERT),
+                   _grouped_mm_case("qwen3 ep8 gate_up, an idle expert", 65536, 2 * I_EXPERT, D_HIDDEN, True)],
 }
+
+
+def _checked(t: torch.Tensor, name: str, case: Case) -> bool:
+    return t.is_floating_point() and name not in case.constants
 
 
 def _run(fn: Callable, case: Case, inputs: Inputs, grad_out: torch.Tensor | None) -> list[torch.Tensor]:
     """The output and (if ``grad_out``) every input's gradient, in fp32."""
-    leaves = {name: t.detach().clone().requires_grad_(grad_out is not None and name not in case.constants)
+    leaves = {name: t.detach().clone().requires_grad_(grad_out is not None and _checked(t, name, case))
               for name, t in inputs.items()}
     out = case.call(fn, leaves)
     if grad_out is None:
         return [out.detach().float()]
     out.backward(grad_out.to(out.dtype))
-    return [out.detach().float(), *(leaf.grad.float() for name, leaf in leaves.items() if name not in case.constants)]
+    return [out.detach().float(), *(leaf.grad.float() for name, leaf in leaves.items() if _checked(leaf, name, case))]
 
 
 def _time_ms(dev_type: str, fn: Callable, case: Case, inputs: Inputs, grad_out: torch.Tensor | None) -> float:
     """Mean time of one call (and backward, with ``grad_out``) over 20 back-to-back runs, as a training step issues
     them: the host is not synchronised in between, so a kernel's launch overhead counts only where it exceeds the
     device time."""
-    leaves = [t.detach().requires_grad_(grad_out is not None and name not in case.constants)
+    leaves = [t.detach().requires_grad_(grad_out is not None and _checked(t, name, case))
               for name, t in inputs.items()]
     named = dict(zip(inputs, leaves))
 
@@ -182,10 +264,11 @@ def check_case(op: str, kernel: Callable, reference: Callable, case: Case, dev: 
     inputs = case.make(gen, dev)
     probe = case.call(reference, inputs)
     grad_out = torch.randn(probe.shape, generator=gen, device=dev) if case.backward else None
-    ref32 = _run(reference, case, {k: v.float() for k, v in inputs.items()}, grad_out)
+    ref32 = _run(reference, case, {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}, grad_out)
     ref16 = _run(reference, case, inputs, grad_out)
     got = _run(kernel, case, inputs, grad_out)
-    names = ["out", *(f"d{name}" for name in inputs if name not in case.constants)] if case.backward else ["out"]
+    grads = [f"d{name}" for name, t in inputs.items() if _checked(t, name, case)] if case.backward else []
+    names = ["out", *grads]
     ok = True
     for name, g, r16, r32 in zip(names, got, ref16, ref32):
         err, err16 = _rel(g, r32), _rel(r16, r32)
@@ -222,9 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     for op, choice in kernels.choices.items():
         if choice.impl == "torch":
             continue
-        reference = OPS[op].reference(cfg)
+        kernel, reference = kernels.get(op), OPS[op].reference(cfg)
+        if op in PAIRED:
+            kernel = _round_trip(kernels.get(PAIRED[op]), kernel)
+            reference = _round_trip(OPS[PAIRED[op]].reference(cfg), reference)
         for case in CASES[op]:
-            if not check_case(op, kernels.get(op), reference, case, dev):
+            if not check_case(op, kernel, reference, case, dev):
                 failed.append(f"{op} [{case.name}]")
             device.module(dev_type).empty_cache()
     if failed:

@@ -45,12 +45,13 @@ def worker(rank: int, world: int, port: int, arch: dict, hf_dir: str, ep: int, s
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = ParallelConfig(name="m", backend=BackendConfig(name="fsdp2", ep_size=ep))
+    cfg = ParallelConfig(name="m", ep_size=ep, backend=BackendConfig(name="fsdp2"))
     dims = parallelisms.build_parallel_dims(cfg, world, rank, "cpu")
     spec, args = get_spec("qwen3_moe"), build_args("qwen3_moe", arch)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = parallelisms.parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32)
+    model = parallelisms.parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32,
+                                           parallelisms.DispatcherConfig("eager"))
     model.to_empty(device="cpu")
     reset_peak()
     before = status_gib("VmRSS")

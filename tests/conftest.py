@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,39 @@ def write_tokens(path: Path, num_tokens: int, vocab_size: int = 256, seed: int =
     ids[noise] = rng.integers(0, vocab_size, size=int(noise.sum()))
     np.save(path, ids.astype(np.int64))
     return path
+
+
+CHAT_WORDS = "the a cat dog sat ran on under mat tree fast slow red blue one two three yes no maybe".split()
+
+
+def write_chats(path: Path, num_conversations: int = 64, seed: int = 0) -> Path:
+    """A .jsonl of conversations of 1-3 exchanges, each turn 1..29 words: under data.mask_non_assistant=true the
+    windows of a batch hold very different numbers of trained tokens (some none)."""
+    rng = np.random.default_rng(seed)
+
+    def text() -> str:
+        return " ".join(rng.choice(CHAT_WORDS, size=rng.integers(1, 30)))
+
+    with open(path, "w") as f:
+        for _ in range(num_conversations):
+            messages = [{"role": role, "content": text()} for _ in range(rng.integers(1, 4))
+                        for role in ("user", "assistant")]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def trained_tokens_per_rank(cfg: TrainConfig, dp: int, cp: int = 1) -> list[list[int]]:
+    """Trained (unmasked) tokens of the first batch of ``cfg``'s run, per dp rank and cp shard: what each rank
+    would normalise by if it used its own count."""
+    from training.data import build_data_loader, context_shard
+    from training.loss import IGNORE_INDEX
+
+    counts = []
+    for dp_rank in range(dp):
+        batch = next(build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
+                                       dp_rank=dp_rank, dp_size=dp))
+        counts.append([int((context_shard(batch, r, cp)["labels"] != IGNORE_INDEX).sum()) for r in range(cp)])
+    return counts
 
 
 @pytest.fixture

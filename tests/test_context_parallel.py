@@ -3,7 +3,8 @@
 - Every CP preset that fits 8 gloo ranks trains both families through ``train.run`` like one process: the same
   loss and grad norm over 3 steps (fp32, rel 1e-4: the layouts differ only in summation order), on packed
   documents, so the CP runs mask documents across cp ranks exactly as the single process does; plus full and
-  selective activation checkpointing around the all-to-alls.
+  selective activation checkpointing around the all-to-alls; and one CP + EP layout on chats with only the
+  assistant tokens trained, so dp ranks and cp shards hold different numbers of trained tokens.
 - Packed documents give the logits of each document run as its own row, without CP and under cp2 / cp4 (cp4
   repeats the 2 kv heads and DeltaNet's 2 q/k heads); Qwen3-MoE's packed rows equal transformers' packed sequences.
 - The 16-rank cp2_ep4_efsdp2 meshes (a fake process group, no spawn), and the config checks.
@@ -28,9 +29,10 @@ from models.hf_io import export_hf
 from models.layers import document_ids
 from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, parallelize_model, resolve_sizes,
                           validate_parallel_config)
-from tests.conftest import compose_config
+from tests.conftest import compose_config, trained_tokens_per_rank, write_chats
 from tests.dist_utils import load_full_weights, run_distributed
 from training.data import context_shard
+from training.tokenizer import QwenTokenizer
 
 WORLD, STEPS, SEQ, GLOBAL_BATCH, EOS = 8, 3, 32, 8, 0
 PRESETS = ["cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2"]  # every CP preset that fits 8 ranks
@@ -38,6 +40,7 @@ PRESETS = ["cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2"]  # every CP preset th
 # left out of selective: it fails under fsdp2 without CP too (an FSDP record_function seen only in the recompute).
 AC_VARIANTS = {("qwen3_5_moe", "cp4-full_ac"): ("cp4", "full"),
                ("qwen3_moe", "cp2_ep2_efsdp2-selective_ac"): ("cp2_ep2_efsdp2", "selective")}
+CHATS = "cp2_ep2_efsdp2"  # the layout (dp 4, cp 2) that also trains Qwen3-MoE on masked chats
 TINY = {  # per family: the debug preset cut to the synthetic 256-token vocabulary
     "qwen3_moe": ["model=qwen3_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
                   "model.arch.head_dim=8", "model.arch.moe_intermediate_size=16"],
@@ -58,12 +61,20 @@ def write_documents(path: Path, num_tokens: int, seed: int = 0) -> None:
     np.save(path, np.concatenate(docs)[:num_tokens].astype(np.int64))
 
 
-def train_config(tmp_path: Path, family: str, parallel: str, *overrides: str, run: str | None = None):
-    """3 steps from tmp_path/<family> on tmp_path/tokens.npy, a global batch of GLOBAL_BATCH, clipping active."""
+def train_config(tmp_path: Path, family: str, parallel: str, *overrides: str, run: str | None = None,
+                 chats: bool = False):
+    """3 steps from tmp_path/<family> on tmp_path/tokens.npy, a global batch of GLOBAL_BATCH, clipping active.
+    chats: from tmp_path/<family>-chats (the tokenizer's vocabulary) on tmp_path/chats.jsonl, training only the
+    assistant tokens."""
     dp = 1 if parallel == "single" else WORLD // compose_config([f"parallel={parallel}"]).parallel.cp_size
+    if chats:
+        source = [f"model.arch.vocab_size={QwenTokenizer().vocab_size}", f"model.init_from={tmp_path / family}-chats",
+                  "data=jsonl", f"data.path={tmp_path / 'chats.jsonl'}", "data.mask_non_assistant=true"]
+    else:
+        source = [f"model.init_from={tmp_path / family}", "data=tokens", f"data.path={tmp_path / 'tokens.npy'}",
+                  f"data.eos_id={EOS}"]
     return compose_config([
-        *TINY[family], f"model.init_from={tmp_path / family}", f"parallel={parallel}", "data=tokens",
-        f"data.path={tmp_path / 'tokens.npy'}", f"data.eos_id={EOS}", f"data.seq_len={SEQ}",
+        *TINY[family], *source, f"parallel={parallel}", f"data.seq_len={SEQ}",
         f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / f'{family}-{run or parallel}'}",
         f"train.steps={STEPS}", f"train.local_batch_size={GLOBAL_BATCH // dp}", "train.save_final=false",
         "optim.warmup_steps=0", "optim.lr=1e-2", "optim.grad_clip=0.5", "logging.tensorboard=false",
@@ -131,20 +142,43 @@ def runs(tmp_path_factory):
         model = seeded_model(family)
         export_hf(model, family, tmp_path / family)
         weights[family] = {k: v.clone() for k, v in model.state_dict().items()}
+    write_chats(tmp_path / "chats.jsonl")
+    export_hf(seeded_model("qwen3_moe", vocab_size=QwenTokenizer().vocab_size), "qwen3_moe",
+              tmp_path / "qwen3_moe-chats")
     reference = {family: train.run(train_config(tmp_path, family, "single")) for family in TINY}
+    reference["qwen3_moe-chats"] = train.run(train_config(tmp_path, "qwen3_moe", "single", run="single-chats",
+                                                          chats=True))
     cfgs = {f"{family}-{preset}": train_config(tmp_path, family, preset) for family in TINY for preset in PRESETS}
     cfgs.update({f"{family}-{name}": train_config(tmp_path, family, preset, f"parallel.activation_checkpoint={mode}",
                                                   run=name)
                  for (family, name), (preset, mode) in AC_VARIANTS.items()})
+    cfgs[f"qwen3_moe-{CHATS}-chats"] = train_config(tmp_path, "qwen3_moe", CHATS, run=f"{CHATS}-chats", chats=True)
     histories, logits = run_distributed(worker, WORLD, cfgs, weights, timeout_s=600)
-    return reference, histories, logits, weights
+    return reference, histories, cfgs, logits, weights
 
 
 @pytest.mark.parametrize("family, preset", [(f, p) for f in TINY for p in PRESETS] + list(AC_VARIANTS))
 def test_cp_preset_trains_like_one_process(runs, family, preset):
     reference, histories, *_ = runs
     got, want = histories[f"{family}-{preset}"], reference[family]
-    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
+    assert want[0]["grad_norm"] > 0.5  # max_norm 0.5 really clipped
+
+
+def test_cp_on_masked_chats_with_unequal_token_counts_trains_like_one_process(runs):
+    """cp2_ep2_efsdp2 on chats with only assistant tokens trained against the single-process run: every rank's
+    loss share is normalised by the global count of trained tokens, not by dp (x cp) x its own count."""
+    reference, histories, cfgs, *_ = runs
+    name = f"qwen3_moe-{CHATS}-chats"
+    sizes = resolve_sizes(cfgs[name].parallel, WORLD)
+    counts = trained_tokens_per_rank(cfgs[name], sizes.dp, sizes.cp)
+    # The dp ranks, and the cp shards of a dp rank, really train different numbers of tokens.
+    assert len({sum(c) for c in counts}) > 1 and any(len(set(c)) > 1 for c in counts), counts
+    got, want = histories[name], reference["qwen3_moe-chats"]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, STEPS + 1))
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
@@ -210,7 +244,7 @@ def test_seeds_16_rank_layout_meshes():
     for arch in ({"num_attention_heads": 32, "num_key_value_heads": 4},  # Qwen3-30B-A3B
                  {"num_attention_heads": 16, "num_key_value_heads": 2,  # Qwen3.5-35B-A3B
                   "linear_num_value_heads": 32, "linear_num_key_heads": 16}):
-        validate_parallel_config(cfg, 16, 128, arch=arch, seq_len=4096)
+        validate_parallel_config(cfg, 16, 128, heads=_heads(arch), seq_len=4096)
     sizes = resolve_sizes(cfg, 16)
     assert (sizes.dp, sizes.cp, sizes.ep, sizes.efsdp, sizes.edp) == (8, 2, 4, 2, 1)
     assert sizes.expert_mesh_shape == (1, 2, 4, 2)
@@ -222,6 +256,14 @@ def test_seeds_16_rank_layout_meshes():
         dist.destroy_process_group()
     assert groups == {"cp": [4, 5], "ep": [1, 3, 5, 7], "efsdp": [5, 13], "edp_cp": [4, 5],
                       "expert_fsdp": [[4, 12], [5, 13]]}
+
+
+def _heads(arch: dict | None) -> list | None:
+    """The head counts Qwen3.5's spec declares for the checks (the mixers ``arch`` has heads for)."""
+    from models import get_spec
+
+    pairs = get_spec("qwen3_5_moe").cp_heads
+    return None if arch is None else [(s, arch[s], t, arch[t]) for s, t in pairs if s in arch]
 
 
 QWEN3_HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2}
@@ -244,11 +286,11 @@ QWEN35_HEADS = {**QWEN3_HEADS, "linear_num_value_heads": 8, "linear_num_key_head
 ])
 def test_bad_cp_layouts_fail_naming_the_key_and_the_fix(cp, arch, seq_len, pattern):
     with pytest.raises(ValueError, match=pattern):
-        validate_parallel_config(ParallelConfig(cp_size=cp, backend=BackendConfig()), 8, 8, arch=arch,
+        validate_parallel_config(ParallelConfig(cp_size=cp, backend=BackendConfig()), 8, 8, heads=_heads(arch),
                                  seq_len=seq_len)
 
 
 @pytest.mark.parametrize("cp, arch", [(2, QWEN3_HEADS), (4, QWEN3_HEADS), (4, QWEN35_HEADS), (8, {
     "num_attention_heads": 8, "num_key_value_heads": 1})])
 def test_cp_up_to_the_heads_validates(cp, arch):
-    validate_parallel_config(ParallelConfig(cp_size=cp, backend=BackendConfig()), 8, 8, arch=arch, seq_len=64)
+    validate_parallel_config(ParallelConfig(cp_size=cp, backend=BackendConfig()), 8, 8, heads=_heads(arch), seq_len=64)

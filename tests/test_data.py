@@ -155,6 +155,7 @@ def test_jsonl_chat_messages(tmp_path: Path, mask_non_assistant: bool) -> None:
     stream, mask = stream + plain, mask + [True] * len(plain)
     inputs, labels = _all_windows(cfg)
     expected = _expected_labels(stream, mask if mask_non_assistant else None, cfg.seq_len)
+    assert len(inputs) == len(stream) // (cfg.seq_len + 1)  # every window, so the loop below checks all
     for x, y in zip(inputs.tolist(), labels.tolist()):
         assert expected[tuple(x)] == y
     assert ((labels == IGNORE_INDEX).any().item()) == mask_non_assistant

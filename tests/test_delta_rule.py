@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen35
 
-from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 # 70 tokens: several chunks at every size, none a multiple of it; 4 value heads share 2 q/k heads; k != v.
 B, T, h, H, K, V = 2, 70, 2, 4, 16, 24

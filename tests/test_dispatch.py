@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from models.moe import GroupedExperts
-from parallelisms.dispatchers import EagerDispatcher, dispatcher_class
+from parallelisms.dispatchers import DispatcherConfig, dispatcher_class
+from parallelisms.dispatchers.eager import EagerDispatcher
 from parallelisms.expert_parallel import apply_expert_parallel
 from tests.dist_utils import run_distributed
 
@@ -90,7 +91,7 @@ def _dispatch_worker(rank: int, world_size: int) -> dict:
     for ep in (4, 2):
         ep_mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("rest", "ep"))["ep"]
         sharded = copy.deepcopy(reference)
-        apply_expert_parallel(sharded, ep_mesh, "eager")
+        apply_expert_parallel(sharded, ep_mesh, DispatcherConfig("eager"))
         assert isinstance(sharded.dispatcher, EagerDispatcher) and sharded.num_experts == E // ep
         for case in CASES:
             errors[(ep, case, rank)] = _errors(reference, sharded, ep_mesh, rank, case)
@@ -116,5 +117,5 @@ def test_eager_dispatch_matches_local_dispatch(dispatch_errors, ep, case):
 def test_unknown_dispatchers_fail_by_name():
     assert dispatcher_class("eager") is EagerDispatcher
     with pytest.raises(ValueError,
-                       match=r"ep_dispatcher='eagre' is unknown; implemented: eager, fused, domino, mc2, dedup"):
+                       match=r"dispatcher.name='eagre' is unknown; registered: dedup, domino, eager, fused, mc2"):
         dispatcher_class("eagre")

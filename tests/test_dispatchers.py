@@ -18,26 +18,39 @@ from __future__ import annotations
 
 import copy
 import importlib.machinery
+import inspect
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hydra.errors import MissingConfigException
 from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import models
 import train
+from kernels.config import KernelConfig
+from kernels.registry import Env, install, installed_kernels, select_kernels
 from models.moe import GroupedExperts
-from parallelisms.dispatchers import DedupDispatcher, DominoDispatcher, FusedDispatcher, Mc2Dispatcher, dispatcher_class
-from parallelisms.dispatchers import local_ops as local_ops_module
+from parallelisms import build_parallel_dims, parallelize_model
+from parallelisms.dispatchers import DISPATCHERS, Dispatcher, DispatcherConfig, base, dispatcher_class
 from parallelisms.dispatchers import dedup, domino, fused, mc2, npu
-from parallelisms.dispatchers.common import Splits, group_device_type
+from parallelisms.dispatchers.dedup import DedupDispatcher
+from parallelisms.dispatchers.domino import DominoDispatcher
+from parallelisms.dispatchers.fused import FusedDispatcher
+from parallelisms.dispatchers.mc2 import Mc2Dispatcher
+from parallelisms.dispatchers.common import group_device_type
 from parallelisms.expert_parallel import apply_expert_parallel
-from tests.dist_utils import run_distributed
+from tests.conftest import CONF_DIR, compose_config
+from tests.dist_utils import debug_model_args, run_distributed
 from tests.test_dispatch import CASES, D, E, I, K, _errors, _experts_NK
 from tests.test_parallel_train import train_config, write_inputs
+from training.config import validate
 
 ROUTINGS = [*CASES, "one_token", "top1", "top4"]
 NPU_ROUTINGS = [case for case in ROUTINGS if case != "top1"]  # MC2 takes top-k 2..8
@@ -133,6 +146,20 @@ def _install_fake_npu(groups: dict[str, dist.ProcessGroup] | None = None) -> typ
     return fake
 
 
+def _on_fake_npu(experts: GroupedExperts, dispatcher: Dispatcher) -> None:
+    """Run ``experts`` with the kernels the registry picks on an NPU: torch_npu's SwiGLU in its slot, and the
+    dispatch path's torch_npu kernels for these CPU tensors while its dispatcher runs (only then: the reference
+    it is compared with keeps the torch ones)."""
+    kernels = select_kernels(KernelConfig(), "npu", Env("npu", has_torch_npu=True))
+    experts.act_fn = kernels.get("packed_swiglu")
+
+    def dispatch(*args: torch.Tensor) -> torch.Tensor:
+        with installed_kernels(kernels, "cpu"):
+            return dispatcher(*args)
+
+    experts.dispatcher = dispatch
+
+
 # ----------------------------------------------------------------------------- dispatch-level comparisons
 
 def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: list[int], routings: list[str]) -> dict:
@@ -147,10 +174,10 @@ def _dispatch_errors(rank: int, world_size: int, dispatchers: list[str], eps: li
         ep_mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("rest", "ep"))["ep"]
         for name in dispatchers:
             sharded = copy.deepcopy(reference)
-            apply_expert_parallel(sharded, ep_mesh, "eager" if name.endswith("_npu") else name)
+            apply_expert_parallel(sharded, ep_mesh, DispatcherConfig("eager" if name.endswith("_npu") else name))
             if name.endswith("_npu"):
-                sharded.dispatcher = dispatcher_class(name.removesuffix("_npu"))(ep_mesh.get_group(), E,
-                                                                                  device_type="npu")
+                _on_fake_npu(sharded, dispatcher_class(name.removesuffix("_npu"))(ep_mesh.get_group(), E,
+                                                                                   device_type="npu"))
             for case in routings:
                 errors[(name, ep, case, rank)] = _errors(reference, sharded, ep_mesh, rank, case)
     gathered = [None] * world_size
@@ -179,7 +206,7 @@ def _domino_schedule(ep_mesh) -> list[str]:
     experts = GroupedExperts(E, D, I)
     torch.nn.init.normal_(experts.gate_up_proj)
     torch.nn.init.normal_(experts.down_proj)
-    apply_expert_parallel(experts, ep_mesh, "domino")
+    apply_expert_parallel(experts, ep_mesh, DispatcherConfig("domino"))
     original, domino._Backward = domino._Backward, Recorded
     try:
         experts_NK = _experts_NK("random", ep_mesh.get_local_rank(), 2, seed=0)
@@ -211,7 +238,7 @@ def _rows_sent(ep_mesh) -> list[dict]:
         experts = GroupedExperts(E, D, I)
         for p in experts.parameters():
             torch.nn.init.normal_(p, std=0.5)
-        apply_expert_parallel(experts, ep_mesh, name)
+        apply_expert_parallel(experts, ep_mesh, DispatcherConfig(name))
         module.all_to_all_single_autograd = recording
         try:
             experts(torch.randn(len(experts_NK), D), experts_NK, torch.rand(*experts_NK.shape))
@@ -231,7 +258,7 @@ def _two_rank_worker(rank: int, world_size: int, cfgs: dict) -> dict:
     result = {"device_type": group_device_type(ep_mesh.get_group()), "domino_schedule": _domino_schedule(ep_mesh),
               "rows_sent": _rows_sent(ep_mesh)}
     try:
-        apply_expert_parallel(GroupedExperts(E, D, I), ep_mesh, "mc2")
+        apply_expert_parallel(GroupedExperts(E, D, I), ep_mesh, DispatcherConfig("mc2"))
         result["mc2_on_cpu"] = "no error"
     except RuntimeError as error:
         result["mc2_on_cpu"] = str(error)
@@ -330,7 +357,7 @@ def test_mc2_refuses_to_build_off_npu(two_ranks):
 @pytest.mark.parametrize("run", sorted(E2E_RUNS))
 def test_dispatcher_trains_like_eager(two_ranks, run):
     eager, got = two_ranks["train"]["eager"], two_ranks["train"][run]
-    assert [m["step"] for m in got] == [1, 2, 3]
+    assert [m["step"] for m in got] == [m["step"] for m in eager] == [1, 2, 3]
     for g, w in zip(got, eager):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), f"step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), f"step {g['step']}"
@@ -339,6 +366,7 @@ def test_dispatcher_trains_like_eager(two_ranks, run):
 @pytest.mark.parametrize("run", ["fused", "domino", "dedup"])
 def test_dispatcher_trains_like_eager_in_bf16(two_ranks, run):
     eager, got = two_ranks["train"]["eager_bf16"], two_ranks["train"][f"{run}_bf16"]
+    assert [m["step"] for m in got] == [m["step"] for m in eager] == [1, 2, 3]
     for g, w in zip(got, eager):
         # bf16 rounds in other places (eager: the weighted rows and each index_add; here the fp32-accumulated
         # bmm): eager bf16 itself is ~1e-4 (loss) and ~1e-2 (grad norm) off fp32 on this model.
@@ -353,34 +381,74 @@ def test_registry_builds_every_named_dispatcher():
     assert dispatcher_class("domino") is DominoDispatcher
     assert dispatcher_class("mc2") is Mc2Dispatcher
     assert dispatcher_class("dedup") is DedupDispatcher
-    with pytest.raises(ValueError, match=r"'deepep' is unknown; implemented: eager, fused, domino, mc2, dedup$"):
+    with pytest.raises(ValueError, match=r"'deepep' is unknown; registered: dedup, domino, eager, fused, mc2$"):
         dispatcher_class("deepep")
 
 
-def test_local_ops_pick_torch_npu_only_on_npu(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
-    assert type(local_ops_module.local_ops("cuda")) is local_ops_module.TorchOps
-    with pytest.raises(RuntimeError, match="torch_npu is not installed"):
-        local_ops_module.local_ops("npu")
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu())
-    assert type(local_ops_module.local_ops("cpu")) is local_ops_module.TorchOps
-    assert type(local_ops_module.local_ops("npu")) is local_ops_module.NpuOps
+def test_each_dispatcher_config_names_a_registered_dispatcher_and_back():
+    # A new dispatcher is its module (registering itself) plus conf/dispatcher/<name>.yaml: the two sets agree.
+    configs = {path.stem: path.read_text().splitlines() for path in Path(CONF_DIR, "dispatcher").glob("*.yaml")}
+    assert set(configs) == set(DISPATCHERS)
+    for name, lines in configs.items():
+        assert lines[0].startswith("# ") and lines[1:] == [f"name: {name}"], name  # one documented line
+        assert compose_config([f"dispatcher={name}"]).dispatcher.name == name
 
 
-@pytest.mark.parametrize("counts_L", [[3, 2, 4], [3, 0, 6]])
-def test_npu_compute_falls_back_to_torch_for_an_expert_without_rows(monkeypatch, counts_L):
-    fake = fake_torch_npu()
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    torch.manual_seed(0)
-    experts = GroupedExperts(3, D, I)
-    for p in experts.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    splits = Splits(send=[], recv=[], send_counts_E=[], recv_counts_PL=counts_L, counts_L=counts_L,
-                    recv_counts_dev_PL=torch.tensor([counts_L]))
-    x_RD = torch.randn(sum(counts_L), D)
-    got = local_ops_module.NpuOps().compute(experts, x_RD, splits)
-    torch.testing.assert_close(got, experts.compute(x_RD, torch.tensor(counts_L)))
-    assert fake.calls.get("npu_grouped_matmul", 0) == (0 if 0 in counts_L else 2)
+def test_an_unknown_dispatcher_fails_naming_the_registered_ones():
+    with pytest.raises(MissingConfigException) as error:  # Hydra lists the group's options: the registered ones
+        compose_config(["dispatcher=deepep"])
+    assert all(f"\t{name}\n" in str(error.value) for name in DISPATCHERS), str(error.value)
+    cfg = compose_config(["dispatcher.name=deepep"])
+    with pytest.raises(ValueError, match=r"^dispatcher.name='deepep' is unknown; registered: dedup, domino, eager, "
+                                         r"fused, mc2$"):
+        validate(cfg)  # before any process group
+
+
+def test_every_registered_dispatcher_implements_the_interface():
+    interface = inspect.signature(Dispatcher.dispatch)
+    for name, cls in DISPATCHERS.items():
+        assert issubclass(cls, Dispatcher) and not inspect.isabstract(cls) and cls.name == name, name
+        assert list(inspect.signature(cls.dispatch).parameters) == list(interface.parameters), name
+        assert list(inspect.signature(cls.__init__).parameters) == ["self", "group", "num_experts", "device_type"]
+
+
+def test_register_adds_a_dispatcher_and_refuses_a_taken_name_or_a_non_dispatcher(monkeypatch):
+    monkeypatch.setattr(base, "DISPATCHERS", dict(DISPATCHERS))
+
+    @base.register("echo")
+    class Echo(Dispatcher):
+        def dispatch(self, experts, x_ND, experts_NK, weights_NK):
+            return x_ND
+
+    assert base.dispatcher_class("echo") is Echo and Echo.name == "echo"
+    with pytest.raises(ValueError, match=r"two dispatchers registered as 'eager': .*EagerDispatcher and .*Echo"):
+        base.register("eager")(Echo)
+    with pytest.raises(TypeError, match="must subclass parallelisms.dispatchers.base.Dispatcher"):
+        base.register("plain")(object)
+
+
+@pytest.mark.parametrize("overrides, expected", [([], "eager"), (["dispatcher=domino"], "domino"),
+                                                 (["dispatcher=dedup"], "dedup")])
+def test_parallelize_installs_the_dispatcher_group_s_dispatcher(overrides, expected):
+    # What train.py passes: cfg.dispatcher next to cfg.parallel. A fake 4-rank group builds the real meshes; the
+    # model stays on meta, so nothing communicates.
+    cfg = compose_config(["parallel=ep2", *overrides])
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        dims = build_parallel_dims(cfg.parallel, 4, 1, "cpu")
+        spec = models.get_spec("qwen3_moe")
+        with torch.device("meta"):
+            model = spec.model_cls(debug_model_args())
+        parallelize_model(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
+        installed = {type(block.get_submodule(spec.experts).dispatcher)
+                     for block in model.get_submodule(spec.blocks)}
+    finally:
+        dist.destroy_process_group()
+    assert installed == {DISPATCHERS[expected]}
+
+
+# Which local kernels run on NPU (torch_npu's permutes and grouped matmul, the loop for an expert without rows)
+# is the kernel registry's choice: tests/test_kernels.py.
 
 
 # ----------------------------------------------------------------------------- GPU only: host syncs per layer
@@ -388,13 +456,14 @@ def test_npu_compute_falls_back_to_torch_for_an_expert_without_rows(monkeypatch,
 def _sync_count_worker(rank: int, world_size: int) -> dict[str, int]:
     """Host syncs in one forward + backward of a MoE layer's dispatch on CUDA (bf16, NCCL), after a warm-up."""
     ep_mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("ep",))
+    install(select_kernels(KernelConfig(), "cuda"))  # as a run does: torch._grouped_mm, Triton gathers
     counts = {}
     for name in ("eager", "fused", "domino", "dedup"):
         torch.manual_seed(0)
         experts = GroupedExperts(8, 64, 32).to("cuda", torch.bfloat16)
         for p in experts.parameters():
             torch.nn.init.normal_(p, std=0.1)
-        apply_expert_parallel(experts, ep_mesh, name)
+        apply_expert_parallel(experts, ep_mesh, DispatcherConfig(name))
         x_ND = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         weights_NK, experts_NK = torch.rand(256, 8, device="cuda").topk(2, dim=-1)
 

@@ -1,10 +1,12 @@
 """The kernel registry on CPU: config validation, the choice per device and environment (fake CUDA environments,
-a fake torch_npu), and that installing kernels into a model keeps its numerics. The device kernels themselves
-are checked on accelerators by ``scripts/check_kernels.py``."""
+a fake torch_npu), for the models' kernel slots and the dispatch path's kernel functions alike, and that installing
+kernels into a model keeps its numerics. The device kernels themselves are checked on accelerators by
+``scripts/check_kernels.py``; the torch_npu ones here on a fake torch_npu (our glue: dtypes, layouts, autograd)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -16,14 +18,19 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+import kernels.permute as permute
 import models
-from kernels import fla
+from kernels import fla, installed, npu_moe
 from kernels.config import FLA_OPS, KernelConfig, validate_kernel_config
-from kernels.registry import OPS, Env, apply_kernels, select_kernels
-from models.layers import rotate_half
+from kernels.grouped_mm import per_group_mm
+from kernels.registry import INSTALLED_OPS, OPS, SLOT_OPS, Env, apply_kernels, installed_kernels, select_kernels
+from kernels.rotary import rotate_half
+from models.moe import GroupedExperts, compute_experts
 
 ROOT = Path(__file__).resolve().parents[1]
 AUTO_OPS = [op for op in OPS if op not in FLA_OPS]
+DISPATCH_OPS = ("gather_sum", "unpermute_backward", "moe_token_permute", "moe_token_unpermute", "grouped_mm")
+TRITON_ONLY = ("softmax_cross_entropy", "gather_sum", "unpermute_backward")  # no torch_npu kernel
 HOPPER_TRITON_36 = Env("cuda", triton_version="3.6.0", capability=(9, 0), fla_version="0.6.0")
 QWEN35 = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -42,6 +49,13 @@ def _model(model_type: str, arch: dict) -> torch.nn.Module:
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+@pytest.fixture(autouse=True)
+def _nothing_installed_after():
+    """apply_kernels installs the dispatch path's choices process-wide (per device type): undone after each test."""
+    with installed_kernels():
+        yield
 
 
 def _logits_and_grads(model: torch.nn.Module, T: int = 40) -> list[torch.Tensor]:
@@ -87,26 +101,23 @@ def test_presets_are_valid(preset: str, name: str) -> None:
 def test_cpu_gets_the_torch_references() -> None:
     kernels = select_kernels(KernelConfig(name="auto"), "cpu", Env("cpu"))
     assert {c.impl for c in kernels.choices.values()} == {"torch"}
-    assert not any(c.fallback for c in kernels.choices.values())  # auto on cpu: the reference is the answer
-    # An explicit FLA request on cpu falls back, and says so.
-    kernels = select_kernels(KernelConfig(name="flash-linear-attention"), "cpu", Env("cpu"))
-    assert all(kernels.choices[op].fallback and kernels.choices[op].impl == "torch" for op in FLA_OPS)
+    # An explicit FLA request on cpu is an error that says why and what to use instead.
+    with pytest.raises(ValueError, match=r"asks for flash-linear-attention's chunk_gated_delta_rule, which cannot "
+                                         r"run on cpu.*has kernels for cuda, npu only; fix: kernel_config=auto"):
+        select_kernels(KernelConfig(name="flash-linear-attention"), "cpu", Env("cpu"))
 
 
-def test_hopper_with_bad_triton_falls_back_to_torch_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    kernels = select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", HOPPER_TRITON_36)
-    chunk = kernels.choices["chunk_gated_delta_rule"]
-    assert chunk.impl == "torch" and chunk.fallback
-    assert "#640" in chunk.reason and "3.7.1" in chunk.reason and "triton 3.6.0" in chunk.reason
-    # The recurrent kernel (forward only) is not affected; the auto ops get Triton kernels.
+def test_hopper_with_bad_triton_refuses_the_forced_chunked_kernel() -> None:
+    with pytest.raises(ValueError, match=r"chunk_gated_delta_rule, which cannot run on cuda \(sm_90\), triton 3\.6\.0"
+                                         r".*#640.*3\.7\.1.*fix: kernel_config=auto"):
+        select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", HOPPER_TRITON_36)
+    # Without the chunked kernel the recurrent one (forward only, not affected) runs; the auto ops get Triton.
+    cfg = KernelConfig(name="auto,flash-linear-attention", include_kernels=["fused_recurrent_gated_delta_rule"])
+    kernels = select_kernels(cfg, "cuda", HOPPER_TRITON_36)
     assert kernels.choices["fused_recurrent_gated_delta_rule"].impl == "flash-linear-attention"
     assert {kernels.choices[op].impl for op in ("rms_norm", "offset_rms_norm", "gated_rms_norm", "swiglu",
                                                 "packed_swiglu", "apply_rotary", "softmax_cross_entropy")} \
         == {"triton"}
-    with caplog.at_level(logging.INFO):
-        kernels.log(logging.getLogger("train"))
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "chunk_gated_delta_rule: torch (fallback)" in warnings[0]
 
 
 @pytest.mark.parametrize("triton_version, capability, broken", [
@@ -117,8 +128,12 @@ def test_hopper_with_bad_triton_falls_back_to_torch_with_a_warning(caplog: pytes
 def test_chunk_backward_bug_condition(triton_version, capability, broken: bool) -> None:
     assert (fla.chunk_backward_broken(triton_version, capability) is not None) == broken
     env = Env("cuda", triton_version=triton_version, capability=capability, fla_version="0.6.0")
-    chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env).choices
-    assert chosen["chunk_gated_delta_rule"].impl == ("torch" if broken else "flash-linear-attention")
+    if broken:
+        with pytest.raises(ValueError, match="#640"):
+            select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env)
+    else:
+        chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env).choices
+        assert chosen["chunk_gated_delta_rule"].impl == "flash-linear-attention"
 
 
 def test_fla_missing_names_the_pip_extra() -> None:
@@ -133,7 +148,7 @@ def test_only_the_included_fla_kernels_are_installed() -> None:
     cfg = KernelConfig(name="flash-linear-attention", include_kernels=["fused_recurrent_gated_delta_rule"])
     chosen = select_kernels(cfg, "cuda", env).choices
     assert chosen["fused_recurrent_gated_delta_rule"].impl == "flash-linear-attention"
-    assert chosen["chunk_gated_delta_rule"].impl == "torch" and not chosen["chunk_gated_delta_rule"].fallback
+    assert chosen["chunk_gated_delta_rule"].impl == "torch"
     assert all(chosen[op].impl == "torch" for op in AUTO_OPS)  # auto not requested
 
 
@@ -158,15 +173,16 @@ def test_importing_the_registry_loads_no_device_package() -> None:
 def test_every_op_has_a_slot_and_every_slot_an_op() -> None:
     slots = {op for model in (_model("qwen3_5_moe", QWEN35), _model("qwen3_moe", QWEN3))
              for module in model.modules() for op in getattr(module, "kernel_slots", {}).values()}
-    assert slots == set(OPS)
+    assert slots == set(SLOT_OPS)
+    # The rest are the dispatch path's, which kernel functions call (installed per device type, not in slots).
+    assert set(INSTALLED_OPS) == set(DISPATCH_OPS) == set(OPS) - set(SLOT_OPS)
 
 
 @pytest.mark.parametrize("model_type, arch", [("qwen3_5_moe", QWEN35), ("qwen3_moe", QWEN3)])
 def test_torch_references_equal_the_models_built_in_ops(model_type: str, arch: dict) -> None:
     model = _model(model_type, arch)
     applied = copy.deepcopy(model)
-    counts = apply_kernels(applied, select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cpu",
-                                                   Env("cpu")))
+    counts = apply_kernels(applied, select_kernels(KernelConfig(name="auto"), "cpu", Env("cpu")))
     if model_type == "qwen3_moe":
         # per layer: input, post-attention, q and k norms; final norm; rotary per attention; the experts'
         # activation; the LM head's CE
@@ -221,6 +237,29 @@ class FakeTorchNpu(types.ModuleType):
         assert x.dim() == r1.dim() == r2.dim() == 4 and x.dtype == r1.dtype
         return r1 * x + r2 * rotate_half(x)
 
+    def npu_moe_token_permute(self, tokens: torch.Tensor, indices: torch.Tensor):
+        self._count("npu_moe_token_permute")
+        assert indices.dtype == torch.int32
+        order = torch.argsort(indices.flatten(), stable=True)
+        return tokens[order // indices.shape[1]], torch.argsort(order).to(torch.int32)
+
+    def npu_moe_token_unpermute(self, permuted: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor):
+        self._count("npu_moe_token_unpermute")
+        assert permuted.dtype == probs.dtype
+        rows = permuted[sorted_indices.long()].view(*probs.shape, permuted.shape[-1])
+        return (rows * probs.unsqueeze(-1)).sum(1)
+
+    def npu_grouped_matmul(self, x: list, weight: list, *, group_list: torch.Tensor, split_item: int,
+                           group_type: int, group_list_type: int) -> list[torch.Tensor]:
+        self._count("npu_grouped_matmul")
+        assert group_list_type == 1 and len(x) == len(weight) == 1 and x[0].dtype == weight[0].dtype
+        counts = group_list.tolist()
+        if group_type == 0:  # the rows of x grouped: [M, K] x [G, K, N] -> [M, N]
+            assert split_item == 2 and 0 not in counts  # an expert without rows never reaches it
+            return [torch.cat([c @ weight[0][g] for g, c in enumerate(x[0].split(counts))])]
+        assert group_type == 2 and split_item == 3  # the contraction dim grouped: [K, M] x [M, N] -> [G, K, N]
+        return [torch.stack([a @ b for a, b in zip(x[0].split(counts, dim=1), weight[0].split(counts))])]
+
 
 @pytest.fixture
 def fake_torch_npu(monkeypatch: pytest.MonkeyPatch) -> FakeTorchNpu:
@@ -236,9 +275,10 @@ def fake_torch_npu(monkeypatch: pytest.MonkeyPatch) -> FakeTorchNpu:
 ])
 def test_npu_gets_torch_npu_ops(fake_torch_npu: FakeTorchNpu, model_type: str, arch: dict, ops: dict) -> None:
     kernels = select_kernels(KernelConfig(name="auto"), "npu", Env("npu", has_torch_npu=True))
-    # Every auto op but the LM head's cross-entropy step (Triton on CUDA only) has a torch_npu kernel.
-    assert {kernels.choices[op].impl for op in AUTO_OPS if op != "softmax_cross_entropy"} == {"torch_npu"}
-    assert kernels.choices["softmax_cross_entropy"].impl == "torch"
+    # Every auto op but the LM head's cross-entropy step and the permutes' K-to-one steps (Triton on CUDA only)
+    # has a torch_npu kernel.
+    assert {kernels.choices[op].impl for op in AUTO_OPS if op not in TRITON_ONLY} == {"torch_npu"}
+    assert {kernels.choices[op].impl for op in TRITON_ONLY} == {"torch"}
     model = _model(model_type, arch)
     applied = copy.deepcopy(model)
     apply_kernels(applied, kernels)
@@ -258,3 +298,112 @@ def test_check_kernels_has_nothing_to_check_on_cpu() -> None:
     out = subprocess.run([sys.executable, "scripts/check_kernels.py", "--device", "cpu"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0 and "nothing to check" in out.stdout
+
+
+# --- the dispatch path --------------------------------------------------------------------------------------------
+
+def _dispatch_impls(cfg: KernelConfig, env: Env) -> dict[str, str]:
+    chosen = select_kernels(cfg, env.device_type, env).choices
+    return {op: chosen[op].impl for op in DISPATCH_OPS}
+
+
+def test_dispatch_path_choice_per_device() -> None:
+    triton, none = {"gather_sum": "triton", "unpermute_backward": "triton"}, dict.fromkeys(DISPATCH_OPS, "torch")
+    assert _dispatch_impls(KernelConfig(), Env("cuda", triton_version="3.7.1", capability=(9, 0))) == {
+        **none, **triton, "grouped_mm": "torch._grouped_mm"}
+    no_triton = Env("cuda", capability=(9, 0))
+    assert _dispatch_impls(KernelConfig(), no_triton) == {**none, "grouped_mm": "torch._grouped_mm"}
+    assert _dispatch_impls(KernelConfig(), Env("cpu")) == none
+    assert _dispatch_impls(KernelConfig(), Env("npu", has_torch_npu=True)) == {
+        **none, "moe_token_permute": "torch_npu", "moe_token_unpermute": "torch_npu", "grouped_mm": "torch_npu"}
+    chosen = select_kernels(KernelConfig(), "npu", Env("npu")).choices
+    assert {chosen[op].impl for op in DISPATCH_OPS} == {"torch"}
+    assert "pip install '.[npu]'" in chosen["grouped_mm"].reason
+
+
+@pytest.mark.parametrize("env", [Env("cuda", triton_version="3.7.1", capability=(9, 0)),
+                                 Env("npu", has_torch_npu=True)], ids=lambda env: env.device_type)
+def test_kernel_config_without_auto_picks_torch_everywhere(env: Env) -> None:  # (cpu: FLA cannot run, an error)
+    env = dataclasses.replace(env, fla_version="0.6.0")
+    chosen = select_kernels(KernelConfig(name="flash-linear-attention"), env.device_type, env).choices
+    assert {chosen[op].impl for op in AUTO_OPS} == {"torch"}
+    assert all(chosen[op].reason == "kernel_config.name does not include auto" for op in AUTO_OPS)
+
+
+def test_the_token_permutes_are_chosen_together() -> None:
+    # The unpermute reads the state its own permute left (torch: (order, inv); torch_npu: its row map).
+    for env in (Env("cpu"), Env("cuda", triton_version="3.7.1", capability=(9, 0), fla_version="0.6.0"),
+                Env("npu", has_torch_npu=True, fla_version="0.6.0"), Env("npu", fla_version="0.6.0")):
+        for name in ("auto",) if env.device_type == "cpu" else ("auto", "flash-linear-attention",
+                                                                 "auto,flash-linear-attention"):
+            chosen = select_kernels(KernelConfig(name=name), env.device_type, env).choices
+            assert chosen["moe_token_permute"].impl == chosen["moe_token_unpermute"].impl, (env, name)
+
+
+def test_dispatch_kernels_are_logged_with_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    kernels = select_kernels(KernelConfig(), "cuda", Env("cuda", triton_version="3.7.1", capability=(9, 0)))
+    with caplog.at_level(logging.INFO):
+        kernels.log(logging.getLogger("train"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 + len(OPS) and lines[0].startswith("kernels for cuda (sm_90)")  # one line per op
+    assert "kernel rms_norm: triton: on cuda" in lines and "kernel gather_sum: triton: on cuda" in lines
+    assert "kernel moe_token_permute: torch: auto has kernels for npu only" in lines
+    assert ("kernel grouped_mm: torch._grouped_mm: on cuda; where it supports the dtype (probed at the first call), "
+            "else the per-expert loop") in lines
+
+
+def test_apply_kernels_installs_the_dispatch_path_for_its_device_type(fake_torch_npu: FakeTorchNpu) -> None:
+    kernels = select_kernels(KernelConfig(), "npu", Env("npu", has_torch_npu=True))
+    assert apply_kernels(GroupedExperts(2, 8, 4), kernels) == {"packed_swiglu": 1}  # the slots: counted
+    assert installed.snapshot() == {("npu", op): kernels.get(op) for op in DISPATCH_OPS}
+    assert installed.snapshot()[("npu", "grouped_mm")] is npu_moe.grouped_mm
+    x = torch.randn(4, 8)  # not an NPU tensor: the torch reference
+    assert installed.kernel("grouped_mm", x, per_group_mm) is per_group_mm
+
+
+@pytest.mark.parametrize("counts", [[3, 2, 4], [3, 0, 6]])
+def test_npu_grouped_mm_matches_the_loop_and_leaves_an_empty_expert_to_it(fake_torch_npu: FakeTorchNpu,
+                                                                           counts: list[int]) -> None:
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 16, 8)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x_MD, counts_E = torch.randn(sum(counts), 16), torch.tensor(counts)
+
+    def run(counts_host: list[int] | None) -> list[torch.Tensor]:
+        experts.zero_grad()
+        x = x_MD.clone().requires_grad_()
+        y = compute_experts(experts.expert_weights(), x, counts_E, counts_host)
+        y.square().sum().backward()
+        return [y.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()]
+
+    want = run(None)  # nothing installed: the per-expert loop
+    with installed_kernels(select_kernels(KernelConfig(), "npu", Env("npu", has_torch_npu=True)), "cpu"):
+        with torch.no_grad():  # the EP dispatchers pass the host counts: no sync to decide
+            compute_experts(experts.expert_weights(), x_MD, counts_E, counts)
+        # Both GEMMs in torch_npu's grouped matmul, or (an expert without rows) both in the loop.
+        assert fake_torch_npu.calls.get("npu_grouped_matmul", 0) == (0 if 0 in counts else 2)
+        for got in (run(counts), run(None)):  # each: 2 GEMMs forward, and dx and the K-grouped dw of each backward
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w)
+    assert fake_torch_npu.calls.get("npu_grouped_matmul", 0) == (0 if 0 in counts else 2 + 2 * 6)
+
+
+def test_npu_token_permutes_match_the_torch_ones(fake_torch_npu: FakeTorchNpu) -> None:
+    g = torch.Generator().manual_seed(0)
+    experts_NK = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(11)])
+    x_ND, weights_NK = torch.randn(11, 16, generator=g), torch.rand(11, 2, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        x, w = x_ND.clone().requires_grad_(), weights_NK.clone().requires_grad_()
+        x_MD, state = permute.moe_token_permute(x, experts_NK)
+        y_ND = permute.moe_token_unpermute(x_MD * 2.0, w, state)
+        y_ND.square().sum().backward()
+        return [x_MD.detach(), y_ND.detach(), x.grad, w.grad]
+
+    want = run()  # nothing installed: the torch gathers
+    with installed_kernels(select_kernels(KernelConfig(), "npu", Env("npu", has_torch_npu=True)), "cpu"):
+        got = run()
+    assert fake_torch_npu.calls == {"npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1}
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, rtol=1e-6, atol=1e-6)  # fp32: the same products, summed in other orders

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear_cross_entropy import (IGNORE_INDEX, default_chunk_rows, linear_cross_entropy_sum,
-                                          softmax_cross_entropy_)
+from core.constants import IGNORE_INDEX
+from kernels.linear_cross_entropy import default_chunk_rows, linear_cross_entropy_sum, softmax_cross_entropy_
 
 
 def _inputs(rows: int = 37, dim: int = 16, vocab: int = 50, seed: int = 0):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
 from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, expert_shard_dim, parallelize_model,
                           resolve_sizes)
+from tests.conftest import compose_config
 from tests.dist_utils import debug_model_args
 
 SPEC = models.get_spec("qwen3_moe")
@@ -113,6 +115,80 @@ def test_expert_params_shard_dim_1_exactly_when_efsdp_times_ep_exceeds_the_exper
     attention = model.model.layers[0].self_attn.q_proj.weight
     assert attention.device_mesh.mesh_dim_names[-1] == "mp_shard"  # dense params: the outer FSDP mesh
     assert attention.dtype == torch.float32  # stored fp32; bf16 only inside forward (mixed precision)
+
+
+def _param_groups(model) -> dict[str, list]:
+    """FSDP unit name -> its parameter groups (private FSDP state; the root owns no parameters here)."""
+    return {name: module._get_fsdp_state()._fsdp_param_groups for name, module in model.named_modules()
+            if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups}
+
+
+# Expected divide factors by hand, docs/parallel.md: dense units average over their mesh, every rank (world =
+# dp x cp); the experts over dp x cp too, set explicitly: their own mesh (edp*cp, efsdp) holds fewer ranks.
+#   cp2_ep2_efsdp2 on 8:  dp 4, cp 2, ep 2, efsdp 2, edp 1 -> experts 4 x 2 = 8, expert mesh (1*2, 2) = 4 ranks
+#   cp2_ep2_edp2   on 8:  dp 4, cp 2, ep 2, efsdp 1, edp 2 -> experts 4 x 2 = 8, expert mesh (2*2, 1) = 4 ranks
+#   cp2_ep4_efsdp2 on 16: dp 8, cp 2, ep 4, efsdp 2, edp 1 -> experts 8 x 2 = 16, expert mesh (1*2, 2) = 4 ranks
+@pytest.mark.parametrize("preset, world, dense_factor, expert_factor, expert_mesh", [
+    ("cp2_ep2_efsdp2", 8, 8, 8, (2, 2)),
+    ("cp2_ep2_edp2", 8, 8, 8, (4, 1)),
+    ("cp2_ep4_efsdp2", 16, 16, 16, (2, 2)),
+])
+def test_cp_presets_divide_dense_and_expert_gradients_by_dp_times_cp(fake_world, preset, world, dense_factor,
+                                                                      expert_factor, expert_mesh):
+    """The divide factor of every FSDP unit under the CP presets against the hand-derived dp x cp."""
+    fake_world(world, rank=3)
+    cfg = compose_config([f"parallel={preset}"]).parallel
+    model, dims = _parallelized(cfg, world, 3)
+    assert dims.cp == 2
+    groups = _param_groups(model)
+    experts = {f"model.layers.{i}.mlp.experts" for i in range(len(model.model.layers))}
+    assert experts < set(groups)
+    for name, unit_groups in groups.items():
+        for group in unit_groups:
+            mesh = group.mesh_info.mesh
+            if name in experts:
+                assert tuple(mesh.shape) == expert_mesh, name
+                assert group.gradient_divide_factor == expert_factor, name
+            else:  # no factor set: FSDP averages over its mesh (shard x replicate ranks)
+                assert group.gradient_divide_factor is None and mesh.size() == dense_factor, name
+
+
+def test_bf16_mixed_precision_reduces_gradients_in_fp32_in_every_fsdp_unit(fake_world, tiny_run_config, monkeypatch):
+    """The dtypes train.py hands the plan under train.mixed_precision=bf16, and the policy of every FSDP unit
+    (experts included) they give: bf16 parameters, fp32 gradient reduction."""
+    import parallelisms
+    import train
+
+    class Stop(Exception):
+        pass
+
+    dtypes = []
+
+    def spy(*args, **kwargs):
+        dtypes.append(tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype)))
+        raise Stop
+
+    monkeypatch.setattr(parallelisms, "parallelize_model", spy)
+    with pytest.raises(Stop):
+        train.run(tiny_run_config("train.device=cpu", "train.mixed_precision=bf16", "train.steps=1"))
+    assert dtypes == [(torch.bfloat16, torch.float32)]
+    monkeypatch.undo()
+
+    fake_world(8, rank=3)
+    for preset in ("ep2_edp2", "cp2_ep2_efsdp2", "hsdp"):  # experts under expert HSDP, with CP; dense HSDP
+        cfg = compose_config([f"parallel={preset}"]).parallel
+        dims = build_parallel_dims(cfg, 8, 3, "cpu")
+        with torch.device("meta"):
+            model = SPEC.model_cls(debug_model_args())
+        parallelize_model(model, SPEC, dims, cfg, *dtypes[0])
+        groups = _param_groups(model)
+        layers = range(len(model.model.layers))
+        assert set(groups) == {"model.embed_tokens", "model.norm", "lm_head", *(f"model.layers.{i}" for i in layers),
+                               *(f"model.layers.{i}.mlp.experts" for i in layers)}, preset
+        for name, unit_groups in groups.items():
+            for group in unit_groups:
+                policy = group.mp_policy
+                assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), (preset, name)
 
 
 def test_prefetch_chains_follow_the_blocks_and_their_experts(fake_world):

@@ -33,6 +33,7 @@ def gpu_runs(tmp_path_factory):
 @pytest.mark.parametrize("preset", FP32)
 def test_fp32_layout_on_gpus_matches_one_gpu(gpu_runs, preset):
     reference, results = gpu_runs
+    assert [m["step"] for m in results[preset]] == [m["step"] for m in reference] == [1, 2, 3]
     for g, w in zip(results[preset], reference):
         # GPU kernels reduce in other orders than the CPU's: a looser bound than the gloo tests.
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-3), f"step {g['step']}"
@@ -42,6 +43,7 @@ def test_fp32_layout_on_gpus_matches_one_gpu(gpu_runs, preset):
 @pytest.mark.parametrize("run", sorted(BF16))
 def test_bf16_with_selective_checkpointing_stays_close_to_fp32(gpu_runs, run):
     reference, results = gpu_runs
+    assert [m["step"] for m in results[run]] == [m["step"] for m in reference] == [1, 2, 3]
     for g, w in zip(results[run], reference):
         assert math.isfinite(g["loss"]) and g["loss"] == pytest.approx(w["loss"], rel=3e-2), f"step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=0.2), f"step {g['step']}"

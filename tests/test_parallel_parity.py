@@ -28,7 +28,7 @@ STEPS, LOCAL_BATCH, SEQ = 3, 2, 16
 # (cp, ep, efsdp) on 8 ranks, so edp = 8 / (cp * ep * efsdp): replication over edp, expert_cp, both, neither.
 LAYER_LAYOUTS = {
     f"cp{cp}_ep{ep}_efsdp{efsdp}_edp{WORLD // (cp * ep * efsdp)}": ParallelConfig(
-        cp_size=cp, backend=BackendConfig(ep_size=ep, efsdp_size=efsdp))
+        cp_size=cp, ep_size=ep, efsdp_size=efsdp, backend=BackendConfig())
     for cp, ep, efsdp in [(2, 2, 2), (2, 2, 1), (1, 2, 2), (1, 2, 1), (2, 4, 1), (1, 1, 4)]
 }
 # Every preset that fits 8 ranks (test_parallel_config.py checks which ones validate), with 8 experts.
@@ -121,7 +121,7 @@ def parity_runs():
 def test_layout_matches_single_process_loss_and_grad_norm(parity_runs, name):
     cases, results, references, _ = parity_runs
     got, want = results[name]["history"], references[cases[name][1]]
-    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, STEPS + 1))
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"

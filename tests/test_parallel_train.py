@@ -1,6 +1,7 @@
 """End to end through ``train.run``: every 4-rank preset loads the same Hugging Face weights, trains 3 steps on
 the same token file and logs the loss and grad norm of the single-process run (fp32, rel 1e-4: the layouts
-differ only in summation order)."""
+differ only in summation order). One EP layout also trains on chat data with only the assistant tokens trained,
+where the dp ranks hold different numbers of trained tokens: the loss is normalised by the global count."""
 
 from __future__ import annotations
 
@@ -11,33 +12,45 @@ import pytest
 import train
 from models import build_args, get_spec
 from models.hf_io import export_hf
-from tests.conftest import TINY_MODEL, compose_config, write_tokens
+from tests.conftest import TINY_MODEL, compose_config, trained_tokens_per_rank, write_chats, write_tokens
 from tests.dist_utils import run_distributed, seeded_weights
+from training.tokenizer import QwenTokenizer
 
 WORLD, LOCAL_BATCH = 4, 2
 PRESETS = ["ddp", "fsdp2", "hsdp", "ep2", "ep4", "ep2_edp2"]
+CHATS = "ep2"  # the layout (dp 4) that also trains on masked chats
 
 
 def train_config(tmp_path: Path, parallel: str, local_batch: int, *overrides: str, run: str | None = None,
-                 device: str = "cpu", mixed_precision: str = "fp32"):
-    """3 steps of the tiny model from tmp_path/hf on tmp_path/tokens.npy, with clipping active."""
-    hf_dir, tokens = tmp_path / "hf", tmp_path / "tokens.npy"
+                 device: str = "cpu", mixed_precision: str = "fp32", chats: bool = False):
+    """3 steps of the tiny model from tmp_path/hf on tmp_path/tokens.npy, with clipping active. chats: from
+    tmp_path/chats-hf (the tokenizer's vocabulary) on tmp_path/chats.jsonl, training only the assistant tokens."""
+    if chats:
+        model = [f"model.arch.vocab_size={QwenTokenizer().vocab_size}", f"model.init_from={tmp_path / 'chats-hf'}"]
+        data = ["data=jsonl", f"data.path={tmp_path / 'chats.jsonl'}", "data.mask_non_assistant=true"]
+    else:
+        model = [f"model.init_from={tmp_path / 'hf'}"]
+        data = ["data=tokens", f"data.path={tmp_path / 'tokens.npy'}"]
     return compose_config([
-        *TINY_MODEL, f"model.init_from={hf_dir}", f"parallel={parallel}", "data=tokens", f"data.path={tokens}",
-        "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / (run or parallel)}",
+        *TINY_MODEL, *model, f"parallel={parallel}", *data, "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}",
+        f"train.output_dir={tmp_path / (run or parallel)}",
         "train.steps=3", f"train.local_batch_size={local_batch}", "train.save_final=false", "optim.warmup_steps=0",
         "optim.lr=1e-2", "optim.grad_clip=0.5", "logging.tensorboard=false", f"train.device={device}",
         f"train.mixed_precision={mixed_precision}", *overrides,
     ])
 
 
-def write_inputs(tmp_path: Path, arch: dict) -> None:
-    """The token file and the Hugging Face checkpoint of a seeded model that every run starts from."""
-    write_tokens(tmp_path / "tokens.npy", 4096)
+def write_inputs(tmp_path: Path, arch: dict, chats: bool = False) -> None:
+    """The token file (chats: the chat file) and the Hugging Face checkpoint of a seeded model that every run
+    starts from."""
+    if chats:
+        write_chats(tmp_path / "chats.jsonl")
+    else:
+        write_tokens(tmp_path / "tokens.npy", 4096)
     args = build_args("qwen3_moe", arch)
     model = get_spec("qwen3_moe").model_cls(args)
     model.load_state_dict(seeded_weights(args))
-    export_hf(model, "qwen3_moe", tmp_path / "hf")
+    export_hf(model, "qwen3_moe", tmp_path / ("chats-hf" if chats else "hf"))
 
 
 def train_worker(rank: int, world_size: int, cfgs: dict) -> dict:
@@ -49,17 +62,35 @@ def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("parallel_train")
     single = train_config(tmp_path, "single", LOCAL_BATCH * WORLD)
     write_inputs(tmp_path, dict(single.model.arch))
-    reference = train.run(single)
-    results = run_distributed(train_worker, WORLD, {p: train_config(tmp_path, p, LOCAL_BATCH) for p in PRESETS})
-    return reference, results
+    single_chats = train_config(tmp_path, "single", LOCAL_BATCH * WORLD, run="single-chats", chats=True)
+    write_inputs(tmp_path, dict(single_chats.model.arch), chats=True)
+    reference = {"tokens": train.run(single), "chats": train.run(single_chats)}
+    cfgs = {p: train_config(tmp_path, p, LOCAL_BATCH) for p in PRESETS}
+    cfgs[f"{CHATS}-chats"] = train_config(tmp_path, CHATS, LOCAL_BATCH, run=f"{CHATS}-chats", chats=True)
+    return reference, run_distributed(train_worker, WORLD, cfgs), cfgs
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_trains_like_one_process(runs, preset):
-    reference, results = runs
-    got = results[preset]
-    assert [m["step"] for m in got] == [1, 2, 3]
+    """Loss and grad norm of each step against the single-process run on the whole global batch."""
+    references, results, _ = runs
+    got, reference = results[preset], references["tokens"]
+    assert [m["step"] for m in got] == [m["step"] for m in reference] == [1, 2, 3]
     for g, w in zip(got, reference):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
     assert reference[0]["grad_norm"] > 0.5  # max_norm 0.5 really clipped
+
+
+def test_masked_chats_with_unequal_token_counts_train_like_one_process(runs):
+    """ep2 (dp 4) on chats with only assistant tokens trained against the single-process run: each rank's loss
+    share is normalised by the global count of trained tokens, which differs from dp x its own count here."""
+    references, results, cfgs = runs
+    counts = [c for [c] in trained_tokens_per_rank(cfgs[f"{CHATS}-chats"], dp=WORLD)]
+    assert len(set(counts)) > 1, counts  # the ranks really train different numbers of tokens
+    got, want = results[f"{CHATS}-chats"], references["chats"]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
+    assert want[0]["grad_norm"] > 0.5  # max_norm 0.5 really clipped

@@ -1,18 +1,21 @@
 """The MoE permute / unpermute gathers (``kernels.permute``): against plain indexing + ``models.moe.combine`` on
-CPU, which path runs where, and (on a CUDA machine with triton) the Triton kernels against the torch code."""
+CPU, which implementation runs where (the registry's, installed per device type), and (on a CUDA machine with
+triton) the Triton kernels against the torch code."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib.util
 
 import pytest
 import torch
 
 import kernels.permute as permute
+from kernels.config import KernelConfig
+from kernels.registry import Choice, Env, installed_kernels, select_kernels
 from models.moe import combine
 
 N, K, D = 37, 4, 96
-CUDA_TRITON = torch.cuda.is_available() and permute._have_triton()
+CUDA_TRITON = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
 def _routing(device: str = "cpu", seed: int = 0):
@@ -39,30 +42,56 @@ def test_permute_and_unpermute_match_indexing_and_combine() -> None:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_triton_runs_only_for_cuda_tensors_with_triton_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    cuda_like = SimpleNamespace(device=torch.device("cuda", 0))
-    monkeypatch.setattr(permute, "_have_triton", lambda: True)
-    assert permute.use_triton(cuda_like) and not permute.use_triton(torch.zeros(1))
-    monkeypatch.setattr(permute, "_have_triton", lambda: False)
-    assert not permute.use_triton(cuda_like)
+def test_the_installed_kernels_run_only_for_their_device_type() -> None:
+    """A run installs the registry's choice for its device type; tensors on another device keep the torch code."""
+    order_M, inv_M, weights_NK = _routing()
+    src_MD, grad_ND = torch.randn(N * K, D), torch.randn(N, D)
+    calls = []
+
+    def recording(op: str):  # a stand-in for a Triton kernel (which needs CUDA tensors): the torch code, counted
+        reference = getattr(permute, f"{op}_torch")
+        return lambda *args: calls.append(op) or reference(*args)
+
+    kernels = select_kernels(KernelConfig(), "cpu", Env("cpu"))
+    for op in ("gather_sum", "unpermute_backward"):
+        kernels.choices[op] = Choice(op, "recording", "test", lambda op=op: recording(op))
+
+    def forward_backward(permutation: bool = True) -> tuple[torch.Tensor, ...]:
+        y_MD, w_NK = src_MD.clone().requires_grad_(), weights_NK.clone().requires_grad_()
+        y_ND = permute.unpermute(y_MD, w_NK, order_M, inv_M, permutation)
+        y_ND.backward(grad_ND)
+        return y_ND.detach(), y_MD.grad, w_NK.grad
+
+    with installed_kernels():  # none: the torch references
+        want = forward_backward()
+    with installed_kernels(kernels, "cuda"):
+        forward_backward()
+    assert calls == []
+    with installed_kernels(kernels):  # for CPU tensors, the device the choice was made for
+        got = forward_backward()
+        assert calls == ["gather_sum", "unpermute_backward"]
+        forward_backward(permutation=False)  # dedup's pre-reduction keeps its torch backward
+        assert calls == ["gather_sum", "unpermute_backward", "gather_sum"]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernels_match_the_torch_code(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_kernels_match_the_torch_code(dtype: torch.dtype) -> None:
     from kernels import triton_permute
 
     order_M, inv_M, weights_NK = _routing("cuda")
     src_MD = torch.randn(N * K, D, device="cuda").to(dtype)
     grad_ND = torch.randn(N, D, device="cuda").to(dtype)
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    monkeypatch.setattr(permute, "_have_triton", lambda: False)  # the torch code on the same tensors
     for weights in (None, weights_NK):
         torch.testing.assert_close(triton_permute.gather_sum(src_MD, inv_M, N, K, weights),
-                                   permute.gather_sum(src_MD, inv_M, N, K, weights), **tol)
+                                   permute.gather_sum_torch(src_MD, inv_M, N, K, weights), **tol)
     y_MD, w_NK = src_MD.clone().requires_grad_(), weights_NK.clone().requires_grad_()
-    permute.unpermute(y_MD, w_NK, order_M, inv_M).backward(grad_ND)
-    grad_y, grad_w = triton_permute.unpermute_backward(grad_ND, src_MD, weights_NK, inv_M)
+    with installed_kernels():  # nothing installed: the torch code on the same tensors
+        permute.unpermute(y_MD, w_NK, order_M, inv_M).backward(grad_ND)
+    grad_y, grad_w = triton_permute.unpermute_backward(grad_ND, src_MD, weights_NK, order_M, inv_M)
     torch.testing.assert_close(grad_y, y_MD.grad, **tol)
     torch.testing.assert_close(grad_w, w_NK.grad, rtol=2e-2, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
 

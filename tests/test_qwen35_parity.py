@@ -14,10 +14,10 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
+from kernels.delta_rule import chunk_gated_delta_rule
 from models import build_args, get_spec
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
-from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule
 from tests.conftest import our_loss_like_transformers
 from training.loss import aux_loss_share
 

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import models.moe
-from kernels.grouped_mm import native_grouped_mm_ok, per_group_mm
+from kernels.grouped_mm import native_grouped_mm, native_grouped_mm_ok, per_group_mm
 from models import build_args, get_spec
 from models.moe import GroupedExperts
 from tests.conftest import our_loss_like_transformers
@@ -20,8 +20,9 @@ ARCH = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_h
             initializer_range=0.1)  # larger than 0.02 so attention and routing are far from uniform
 
 
-def _models(experts_implementation: str | None) -> tuple[torch.nn.Module, torch.nn.Module]:
-    args = build_args("qwen3_moe", ARCH)
+def _models(experts_implementation: str | None, **arch) -> tuple[torch.nn.Module, torch.nn.Module]:
+    arch = {**ARCH, **arch}
+    args = build_args("qwen3_moe", arch)
     torch.manual_seed(0)
     ours = get_spec("qwen3_moe").model_cls(args)
     ours.init_weights()
@@ -29,7 +30,8 @@ def _models(experts_implementation: str | None) -> tuple[torch.nn.Module, torch.
         for name, p in ours.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
-    config = transformers.Qwen3MoeConfig(**ARCH, output_router_logits=True)
+    config = transformers.Qwen3MoeConfig(**arch, output_router_logits=True)
+    assert config.norm_topk_prob == args.norm_topk_prob
     hf = transformers.Qwen3MoeForCausalLM(config).float()
     hf.load_state_dict(ours.state_dict(), strict=True)  # the same parameter names, by design
     if experts_implementation is not None:
@@ -41,9 +43,12 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("experts_implementation", ["eager", None])  # None: transformers' default (grouped_mm)
-def test_forward_loss_and_grads_match_transformers(experts_implementation: str | None) -> None:
-    ours, hf = _models(experts_implementation)
+# None: transformers' default (grouped_mm). norm_topk_prob=False (transformers' config default; the hub's Qwen3-MoE
+# checkpoints set true): the top-k weights stay softmax probabilities, summing to less than 1.
+@pytest.mark.parametrize("experts_implementation, norm_topk_prob", [("eager", True), (None, True), (None, False)])
+def test_forward_loss_and_grads_match_transformers(experts_implementation: str | None, norm_topk_prob: bool) -> None:
+    """Logits, aux loss, loss and every parameter gradient against transformers' Qwen3MoeForCausalLM (fp32)."""
+    ours, hf = _models(experts_implementation, norm_topk_prob=norm_topk_prob)
     torch.manual_seed(1)
     input_ids_BT = torch.randint(0, ARCH["vocab_size"], (2, 24))
     with torch.no_grad():
@@ -85,6 +90,7 @@ def test_grouped_mm_matches_per_group_loop(monkeypatch: pytest.MonkeyPatch) -> N
         (y_ND * grad_ND).sum().backward()
         return y_ND.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
 
+    monkeypatch.setattr(models.moe, "grouped_mm", native_grouped_mm)  # the registry's CUDA choice (CPU: the loop)
     grouped = run()
     monkeypatch.setattr(models.moe, "grouped_mm", per_group_mm)
     loop = run()

@@ -277,7 +277,7 @@ def _cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("layout,says", [
-    (["parallel=ep4"], r"parallel\.backend\.ep_size=4 must divide dp=2"),
+    (["parallel=ep4"], r"parallel\.ep_size=4 must divide dp=2"),
     (["parallel=ep2", "model.arch.num_experts=3"], r"must divide model\.arch\.num_experts=3"),
     (["launch.nproc_per_node=3", "parallel=cp2", "parallel.cp_size=3", "data.seq_len=36"],
      r"model\.arch\.num_attention_heads=4 must be divisible by parallel\.cp_size=3"),

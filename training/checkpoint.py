@@ -259,7 +259,7 @@ def _decode_rng(text: str) -> torch.Tensor:
 
 
 def rng_state(dev_type: str) -> dict[str, str]:
-    from training import device
+    from core import device
 
     states = {"cpu": _encode_rng(torch.get_rng_state())}
     if dev_type != "cpu":
@@ -268,7 +268,7 @@ def rng_state(dev_type: str) -> dict[str, str]:
 
 
 def set_rng_state(states: dict[str, str], dev_type: str) -> None:
-    from training import device
+    from core import device
 
     torch.set_rng_state(_decode_rng(states["cpu"]))
     if dev_type != "cpu" and dev_type in states:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kernels.config import KernelConfig, validate_kernel_config
 from parallelisms.config import ParallelConfig
+from parallelisms.dispatchers.config import DispatcherConfig, validate_dispatcher_config
 from training.checkpoint import CheckpointConfig
 from training.data import DataConfig, validate_data_config
 from training.launch import LaunchConfig
@@ -25,11 +26,6 @@ class ModelConfig:
     model_type: str | None = "qwen3_moe"  # None with model=hf: taken from init_from's config.json
     init_from: str | None = None  # a Hugging Face directory (config.json + safetensors) to load weights from
     arch: dict[str, Any] = field(default_factory=dict)  # the family's hyper-parameters (models/<family>/args.py)
-
-
-@dataclass
-class DispatcherConfig:
-    name: str = "eager"  # how tokens reach their experts under EP (parallelisms/dispatchers)
 
 
 @dataclass
@@ -145,6 +141,7 @@ def validate(cfg: TrainConfig) -> None:
            "model.model_type is unset: pick a preset (model=qwen3_moe_debug) or give model.init_from=<hf dir>")
     validate_data_config(cfg.data)
     validate_kernel_config(cfg.kernel_config)
+    validate_dispatcher_config(cfg.dispatcher)
 
 
 # What a resume may change freely: where and how the run executes, not what it trains. Any other difference from

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.linear_cross_entropy import IGNORE_INDEX
+from core.constants import IGNORE_INDEX
 from training.tokenizer import CHAT_ROLES, QwenTokenizer
 
 _NAMES = ("chitchat", "jsonl", "tokens")

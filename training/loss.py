@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.linear_cross_entropy import IGNORE_INDEX
+from core.constants import IGNORE_INDEX
 from models.moe import RouterStats
 
 __all__ = ["IGNORE_INDEX", "aux_loss_share"]  # the cross-entropy is the LM head's (models.causal_lm.LMHead)

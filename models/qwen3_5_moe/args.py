@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from models.args import MoeArgs
+
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
 
 @dataclass
-class Qwen3_5MoeArgs:
+class Qwen3_5MoeArgs(MoeArgs):
     vocab_size: int = 248320
-    hidden_size: int = 2048
     num_hidden_layers: int = 40
     # Layer kinds; None: layer i is full attention iff (i + 1) % full_attention_interval == 0 (as transformers).
     layer_types: list[str] | None = None
@@ -31,14 +32,9 @@ class Qwen3_5MoeArgs:
     linear_num_value_heads: int = 32
     # MoE on every layer: routed experts (top-k, always renormalised) plus one gated shared expert.
     num_experts: int = 256
-    num_experts_per_tok: int = 8
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    router_aux_loss_coef: float = 0.001
     max_position_embeddings: int = 262144
-    initializer_range: float = 0.02
 
     @property
     def rotary_dim(self) -> int:
@@ -51,9 +47,9 @@ class Qwen3_5MoeArgs:
                 for i in range(self.num_hidden_layers)]
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "full_attention_interval", "head_dim",
-                     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                     "moe_intermediate_size", "shared_expert_intermediate_size"):
+        super().validate()
+        for name in ("full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
+                     "linear_value_head_dim", "shared_expert_intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.arch.{name}={getattr(self, name)} must be positive")
         if self.layer_types is not None:
@@ -63,9 +59,6 @@ class Qwen3_5MoeArgs:
             bad = sorted(set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
             if bad:
                 raise ValueError(f"model.arch.layer_types has {bad}; allowed: {FULL_ATTENTION}, {LINEAR_ATTENTION}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"model.arch.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"model.arch.num_key_value_heads={self.num_key_value_heads}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"model.arch.linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
                              f"model.arch.linear_num_key_heads={self.linear_num_key_heads}")
@@ -75,9 +68,6 @@ class Qwen3_5MoeArgs:
                              "positive and at most head_dim")
         if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
             raise ValueError(f"model.arch.mrope_section={self.mrope_section} must be 3 non-negative counts (t, h, w)")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"model.arch.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
-                             f"model.arch.num_experts={self.num_experts}]")
 
     def _layer_params(self) -> tuple[int, int, int]:
         """(full-attention mixer, DeltaNet mixer, MoE block excluding routed experts) parameter counts."""

@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.layers import document_cu_seqlens
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
-from models.qwen3_5_moe.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.qwen3_5_moe.layers import GatedRMSNorm
+from models.sequence_ops import Heads, HeadWeights, Passed, SequenceOp
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # chunk_gated_delta_rule's signature
 
@@ -45,7 +46,12 @@ class GatedDeltaNet(nn.Module):
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"delta_rule": "chunk_gated_delta_rule",
                                                  "recurrent_delta_rule": "fused_recurrent_gated_delta_rule"}
-    sequence_ops: ClassVar[Mapping[str, str]] = {"core_delta_rule": "delta_rule"}
+    # q, k [B, t, h, k] (h heads shared by the value heads), v [B, t, H, v], g and beta [B, t, H], the conv taps of
+    # q, k and v [heads, ., K] (whole), document ids whole; the output [B, t, H, v].
+    sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"core_delta_rule": SequenceOp(
+        args=(Heads(1, 2, shared=True), Heads(1, 2, shared=True), Heads(1, 2), Heads(1, 2), Heads(1, 2),
+              (HeadWeights(0, shared=True), HeadWeights(0, shared=True), HeadWeights(0)), Passed()),
+        out=Heads(1, 2))}
     # FLA's layers switch to the recurrent kernel (which has no backward) at this length and below.
     max_recurrent_len: ClassVar[int] = 64
 

@@ -13,11 +13,6 @@ from typing import Any
 
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 
-EXPERT_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
-    "down_proj": ("down_proj.weight",),
-}
-
 # transformers' Qwen3_5MoeTextConfig defaults: a key missing from config.json means these values.
 _HF_DEFAULTS: dict[str, Any] = {
     "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,

@@ -7,23 +7,12 @@ from typing import ClassVar, Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from models.layers import RMSNorm, apply_rotary, causal_attention, rms_norm, rotary_cos_sin, swiglu
+from kernels.norm import gated_rms_norm, offset_rms_norm
+from kernels.swiglu import swiglu
+from models.layers import RMSNorm, rotary_cos_sin
 from models.moe import RouterStats, SparseMoeBlock
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
-
-
-def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(1 + w) * x / rms(x)``, all in fp32 before the one cast back."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * (1.0 + weight.float())).type_as(x)
-
-
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rms_norm(x) * silu(z)``, the gate applied in fp32."""
-    return (rms_norm(x, weight, eps) * F.silu(z.float())).to(x.dtype)
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -77,44 +66,6 @@ def mrope_cos_sin(position_ids: torch.Tensor, args: Qwen3_5MoeArgs, dtype: torch
     stream_r = mrope_streams(args.rotary_dim, args.mrope_section).to(position_ids.device)
     pick_1BTr = stream_r.expand(1, *cos_3BTr.shape[1:])
     return cos_3BTr.gather(0, pick_1BTr)[0], sin_3BTr.gather(0, pick_1BTr)[0]
-
-
-class GatedAttention(nn.Module):
-    """GQA with (1 + w) q/k norms, RoPE on the first rotary_dim channels of each head, and an output gate:
-    q_proj emits [q_h | gate_h] per head, out = o_proj(attn * sigmoid(gate))."""
-
-    kernel_slots: ClassVar[Mapping[str, str]] = {"rotary": "apply_rotary"}
-    sequence_ops: ClassVar[Mapping[str, str]] = {"core_attention": "attention"}
-
-    def __init__(self, args: Qwen3_5MoeArgs) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            args.num_attention_heads, args.num_key_value_heads, args.head_dim)
-        D = args.hidden_size
-        self.q_proj = nn.Linear(D, self.num_heads * self.head_dim * 2, bias=False)
-        self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=False)
-        self.q_norm = OffsetRMSNorm(self.head_dim, args.rms_norm_eps)
-        self.k_norm = OffsetRMSNorm(self.head_dim, args.rms_norm_eps)
-        self.rotary = apply_rotary
-
-    def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
-                doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        q_BTHd, gate_BTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q_BHTd = self.q_norm(q_BTHd).transpose(1, 2)
-        k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHTd, k_BHTd = self.rotary(q_BHTd, cos_BTr, sin_BTr), self.rotary(k_BHTd, cos_BTr, sin_BTr)
-        o_BHTd = self.core_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT)
-        o_BTHd = o_BHTd.transpose(1, 2) * torch.sigmoid(gate_BTHd)
-        return self.o_proj(o_BTHd.reshape(B, T, -1))
-
-    def core_attention(self, q_BHTd: torch.Tensor, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor,
-                       doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
-        """Attention over the whole sequence on the heads given (a sequence op: CP passes a head shard)."""
-        return causal_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT, scale=self.head_dim**-0.5)
 
 
 class SwiGLU(nn.Module):

@@ -4,42 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.args import MoeArgs
+
 
 @dataclass
-class Qwen3MoeArgs:
-    vocab_size: int = 151936
-    hidden_size: int = 2048
-    num_hidden_layers: int = 48
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 4
-    head_dim: int = 128
-    num_experts: int = 128
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 768
-    norm_topk_prob: bool = True
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    router_aux_loss_coef: float = 0.001
-    max_position_embeddings: int = 40960
-    initializer_range: float = 0.02
+class Qwen3MoeArgs(MoeArgs):
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
 
     def validate(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"model.arch.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"model.arch.num_key_value_heads={self.num_key_value_heads}"
-            )
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"model.arch.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
-                f"model.arch.num_experts={self.num_experts}]"
-            )
+        super().validate()
         if self.head_dim % 2:
             raise ValueError(f"model.arch.head_dim={self.head_dim} must be even for rotary embeddings")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "moe_intermediate_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model.arch.{name}={getattr(self, name)} must be positive")
 
     def param_counts(self) -> tuple[int, int, int]:
         """(total, active per token, embedding) parameter counts."""

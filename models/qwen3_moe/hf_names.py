@@ -11,12 +11,6 @@ from typing import Any
 
 from models.qwen3_moe.args import Qwen3MoeArgs
 
-# Fused expert parameter -> per-expert on-disk tensors (under ``<experts>.J.``), concatenated along dim 0 in order.
-EXPERT_WEIGHTS: dict[str, tuple[str, ...]] = {
-    "gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
-    "down_proj": ("down_proj.weight",),
-}
-
 # transformers' Qwen3MoeConfig defaults: a key missing from config.json means these values, not our preset's
 # (e.g. norm_topk_prob defaults to False there).
 _HF_DEFAULTS: dict[str, Any] = {

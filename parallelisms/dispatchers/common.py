@@ -1,5 +1,5 @@
-"""What every EP dispatcher shares: the ep group, the count exchange (with the one host sync per layer), the
-arrival -> local-expert order of received rows, and this rank's expert weights as local tensors.
+"""What every EP dispatcher shares: the ep group's device, the count exchange (with the one host sync per layer),
+the arrival -> local-expert order of received rows, and this rank's expert weights as local tensors.
 
 Letters: N tokens, K top-k, M = N*K routed rows, R rows received, E experts, L = E / P local experts,
 P ep ranks, H independently dispatched token chunks (1, or 2 for domino).
@@ -8,24 +8,13 @@ P ep ranks, H independently dispatched token chunks (1, or 2 for domino).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.tensor import DTensor
 
-from models.moe import GroupedExperts
-
-
-class EPDispatcher:
-    """Base of the EP dispatchers: ``GroupedExperts.dispatcher`` under expert parallelism."""
-
-    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
-        self.group = group
-        self.ep = dist.get_world_size(group)
-        self.num_experts = num_experts  # global; the rank with ep index p holds experts [p*L, (p+1)*L)
-        self.num_local = num_experts // self.ep
+from models.moe import ExpertWeights
 
 
 def group_device_type(group: dist.ProcessGroup) -> str:
@@ -78,12 +67,9 @@ def expert_order(recv_counts_PL: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.argsort(local_expert_R, stable=True)
 
 
-def local_experts(experts: GroupedExperts) -> SimpleNamespace:
-    """This rank's expert weights as local [L, ...] tensors, in a stand-in for ``self`` of
-    ``GroupedExperts.compute`` (with its activation kernel slot). Under EP the weights are DTensors of global
-    shape [E, ...] (Shard(0) on the ep mesh), so checkpoints and loaders see whole tensors; the grouped GEMM
-    needs the local blocks, and the gradient flows from them back into the DTensors.
-    TODO: a ``compute`` taking the weights as arguments would remove this stand-in for ``self``."""
-    weights = {name: p.to_local() if isinstance(p, DTensor) else p
-               for name, p in experts.named_parameters(recurse=False)}
-    return SimpleNamespace(**weights, act_fn=experts.act_fn)  # the kernel slot the registry filled
+def local_weights(experts: ExpertWeights) -> ExpertWeights:
+    """This rank's expert weights as local [L, ...] tensors. Under EP the weights are DTensors of global shape
+    [E, ...] (Shard(0) on the ep mesh), so checkpoints and loaders see whole tensors; the grouped GEMM needs the
+    local blocks, and the gradient flows from them back into the DTensors. The activation kernel is kept."""
+    return experts._replace(**{name: w.to_local() for name, w in experts._asdict().items()
+                               if isinstance(w, DTensor)})

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from kernels.permute import gather_sum, inverse_permutation, unpermute
-from models.moe import GroupedExperts, expert_counts
-from parallelisms.dispatchers.common import exchange_counts, group_device_type, local_experts
+from models.moe import ExpertWeights, expert_counts
+from parallelisms.dispatchers.base import register
+from parallelisms.dispatchers.common import exchange_counts, group_device_type
 from parallelisms.dispatchers.local_ops import LocalOpsDispatcher
 
 NOT_ON_NPU = "dispatcher=dedup runs on CUDA/CPU; on NPU use fused or mc2"
@@ -90,6 +91,7 @@ class _SlotRows(torch.autograd.Function):
         return gather_sum(grad_TD, inv_RK.flatten(), R, K, valid_RK.to(grad_TD.dtype)), None, None, None
 
 
+@register("dedup")
 class DedupDispatcher(LocalOpsDispatcher):
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         # torch_npu's permute / unpermute take a fixed K rows per token; the rows here have 1..K valid slots.
@@ -97,7 +99,7 @@ class DedupDispatcher(LocalOpsDispatcher):
             raise NotImplementedError(NOT_ON_NPU)
         super().__init__(group, num_experts, device_type)
 
-    def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, experts_NK: torch.Tensor,
+    def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         N, K = experts_NK.shape
         P, L = self.ep, self.num_local
@@ -138,7 +140,7 @@ class DedupDispatcher(LocalOpsDispatcher):
         # can then only touch a token whose output is inf already.
         inv_RK = torch.where(valid_RK, pos_RK, pos_RK.amin(1, keepdim=True))
         x_TD = _SlotRows.apply(x_RD, slot_T, inv_RK, valid_RK)
-        y_TD = self.ops.compute(local_experts(experts), x_TD, slots)
+        y_TD = self.ops.compute(experts, x_TD, slots)
         # Pre-reduce each row's K slots with the router weights. Slots repeat rows, so no permutation; a masked
         # slot's weight gradient is the dot of the slot it repeats, and the source's torch.where drops it.
         y_RD = unpermute(y_TD, w_RK, slot_T, inv_RK.flatten(), permutation=False)

@@ -13,17 +13,19 @@ from __future__ import annotations
 import torch
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from models.moe import GroupedExperts
-from parallelisms.dispatchers.common import exchange_counts, local_experts
+from models.moe import ExpertWeights
+from parallelisms.dispatchers.base import register
+from parallelisms.dispatchers.common import exchange_counts
 from parallelisms.dispatchers.local_ops import LocalOpsDispatcher, run_local_experts
 
 
+@register("fused")
 class FusedDispatcher(LocalOpsDispatcher):
-    def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, experts_NK: torch.Tensor,
+    def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         x_MD, send_counts_E, state = self.ops.permute(x_ND, experts_NK, self.num_experts)
         (splits,) = exchange_counts(send_counts_E[None], self.group, self.num_local)
         x_RD = all_to_all_single_autograd(x_MD, splits.recv, splits.send, self.group)
-        y_RD = run_local_experts(self.ops, local_experts(experts), x_RD, splits)
+        y_RD = run_local_experts(self.ops, experts, x_RD, splits)
         y_MD = all_to_all_single_autograd(y_RD, splits.send, splits.recv, self.group)
         return self.ops.unpermute(y_MD, weights_NK, state)

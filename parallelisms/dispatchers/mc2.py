@@ -14,32 +14,33 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from models.moe import GroupedExperts
+from models.moe import ExpertWeights
 from parallelisms.dispatchers import npu
-from parallelisms.dispatchers.common import EPDispatcher, exchange_counts, group_device_type, local_experts
-from parallelisms.dispatchers.local_ops import local_ops
+from parallelisms.dispatchers.base import Dispatcher, register
+from parallelisms.dispatchers.common import exchange_counts
+from parallelisms.dispatchers.local_ops import LocalOps
 
 MC2_DTYPES = (torch.bfloat16, torch.float16)
 NEEDS_NPU = "dispatcher=mc2 needs an Ascend NPU with torch_npu (MC2 ops); use eager/fused/domino/dedup elsewhere"
 
 
-class Mc2Dispatcher(EPDispatcher):
+@register("mc2")
+class Mc2Dispatcher(Dispatcher):
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
-        super().__init__(group, num_experts)
-        if (device_type or group_device_type(group)) != "npu" or not npu.has_mc2():
+        super().__init__(group, num_experts, device_type)
+        if self.device_type != "npu" or not npu.has_mc2():
             raise RuntimeError(NEEDS_NPU)
-        self.ops = local_ops("npu")
+        self.ops = LocalOps()  # the registry puts torch_npu's permute / unpermute there on NPU
         self.hcom = npu.hccl_comm_name(group)
 
-    def __call__(self, experts: GroupedExperts, x_ND: torch.Tensor, experts_NK: torch.Tensor,
+    def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         if x_ND.dtype not in MC2_DTYPES:
             raise RuntimeError(f"dispatcher=mc2: MC2 ops take bf16/fp16 activations, got {x_ND.dtype}; "
                                "train with train.mixed_precision=bf16 or use dispatcher=fused")
         x_MD, send_counts_E, state = self.ops.permute(x_ND, experts_NK, self.num_experts)
         (splits,) = exchange_counts(send_counts_E[None], self.group, self.num_local)
-        local = local_experts(experts)
-        gate_up_R2I = npu.Mc2Dispatch.apply(x_MD, local.gate_up_proj.to(x_MD.dtype), self.hcom, splits)
-        h_RI = self.ops.torch_npu.npu_swiglu(gate_up_R2I, dim=-1)
-        y_MD = npu.Mc2Combine.apply(h_RI, local.down_proj.to(h_RI.dtype), self.hcom, splits)
+        gate_up_R2I = npu.Mc2Dispatch.apply(x_MD, experts.gate_up_proj.to(x_MD.dtype), self.hcom, splits)
+        h_RI = experts.act_fn(gate_up_R2I)  # the packed_swiglu kernel slot: torch_npu's npu_swiglu on NPU
+        y_MD = npu.Mc2Combine.apply(h_RI, experts.down_proj.to(h_RI.dtype), self.hcom, splits)
         return self.ops.unpermute(y_MD, weights_NK, state)

@@ -1,13 +1,14 @@
-"""torch_npu pieces of the NPU dispatch paths, imported only there.
+"""The MC2 collectives of the ``mc2`` dispatcher (the all-to-all fused with the grouped matmul): a dispatcher,
+not a kernel, so they live here; the NPU kernels (token permute / unpermute, grouped matmul) are in
+``kernels/npu_moe.py``, chosen by the kernel registry.
 
-Signatures (torch_npu / op-plugin docs): ``npu_grouped_matmul(x: list, weight: list, *, group_list,
-split_item, group_type, group_list_type)``; ``npu_alltoallv_gmm(gmm_x, gmm_weight, hcom, ep_world_size,
+Signatures (torch_npu / op-plugin docs): ``npu_alltoallv_gmm(gmm_x, gmm_weight, hcom, ep_world_size,
 send_counts, recv_counts, *, trans_gmm_weight, permute_out_flag) -> (gmm_y, mm_y, permute_out)`` (all-to-all,
 sort by local expert, grouped matmul); ``npu_gmm_alltoallv(gmm_x, gmm_weight, hcom, ep_world_size, send_counts,
 recv_counts, *, trans_gmm_weight) -> (y, mm_y)`` (grouped matmul, unsort, all-to-all). Counts are per (rank,
 local expert), rank-major, in the direction of that call. The MC2 ops have no autograd: the Functions below
 pair them as the FSDPTurbo seed does (each one's backward is the other op, plus a K-grouped matmul for the
-weights).
+weights: ``kernels.npu_moe.weight_grad``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import importlib
 
 import torch
 import torch.distributed as dist
+
+from kernels.npu_moe import weight_grad
 
 
 def torch_npu():
@@ -34,36 +37,6 @@ def hccl_comm_name(group: dist.ProcessGroup) -> str:
     """The HCCL communicator name the MC2 ops address the ep group by."""
     rank = dist.get_global_rank(group, dist.get_rank(group))
     return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
-
-
-def _gmm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    return torch_npu().npu_grouped_matmul([x_MK], [w_GKN], group_list=counts_G, split_item=2, group_type=0,
-                                          group_list_type=1)[0]
-
-
-def _weight_grad(x_MK: torch.Tensor, grad_MN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """[G, K, N]: x^T grad per group of rows (grouped along the contraction dim, group_type 2)."""
-    return torch_npu().npu_grouped_matmul([x_MK.t()], [grad_MN], group_list=counts_G, split_item=3, group_type=2,
-                                          group_list_type=1)[0]
-
-
-class _GroupedMatmul(torch.autograd.Function):
-    """y[rows of g] = x[rows of g] @ w[g]; torch_npu's grouped matmul has no autograd of its own."""
-
-    @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x_MK, w_GKN, counts_G)
-        return _gmm(x_MK, w_GKN, counts_G)
-
-    @staticmethod
-    def backward(ctx, grad_MN: torch.Tensor):
-        x_MK, w_GKN, counts_G = ctx.saved_tensors
-        grad_MN = grad_MN.contiguous()
-        return _gmm(grad_MN, w_GKN.transpose(1, 2), counts_G), _weight_grad(x_MK, grad_MN, counts_G), None
-
-
-def grouped_matmul(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    return _GroupedMatmul.apply(x_MK, w_GKN.to(x_MK.dtype), counts_G.to(torch.int64))
 
 
 def _zero_empty(grad_w: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
@@ -96,7 +69,7 @@ class Mc2Dispatch(torch.autograd.Function):
         counts_L = splits.recv_counts_dev_PL.sum(0)
         grad_MD, _ = torch_npu().npu_gmm_alltoallv(grad_RN, w_LND, hcom, len(splits.send), splits.recv_counts_PL,
                                                    splits.send_counts_E)
-        return grad_MD, _zero_empty(_weight_grad(grad_RN, x_RD, counts_L), splits.counts_L), None, None
+        return grad_MD, _zero_empty(weight_grad(grad_RN, x_RD, counts_L), splits.counts_L), None, None
 
 
 class Mc2Combine(torch.autograd.Function):
@@ -118,4 +91,4 @@ class Mc2Combine(torch.autograd.Function):
                                                             splits.send_counts_E, splits.recv_counts_PL,
                                                             permute_out_flag=True)
         counts_L = splits.recv_counts_dev_PL.sum(0)
-        return grad_RI, _zero_empty(_weight_grad(grad_RD, h_RI, counts_L), splits.counts_L), None, None
+        return grad_RI, _zero_empty(weight_grad(grad_RD, h_RI, counts_L), splits.counts_L), None, None

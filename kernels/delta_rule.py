@@ -5,8 +5,9 @@ Per value head, with a state S [k, v] (zeros unless ``initial_state``), for t = 
     S <- e^{g_t} S;    S <- S + k_t beta_t (v_t - S^T k_t)^T;    o_t = S^T (scale q_t)
 
 The signatures follow flash-linear-attention's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``
-(time-major tensors, ``g`` in log space, ``scale`` defaulting to k^-0.5, fp32 final state), so a kernel registry can
-put FLA's kernels in their place. ``cu_seqlens`` (packed variable-length sequences in a batch of one, as FLA takes
+(time-major tensors, ``g`` in log space, ``scale`` defaulting to k^-0.5, fp32 final state): these are the torch
+references of DeltaNet's delta-rule kernel slots, and ``kernels/registry.py`` can put FLA's kernels
+(``kernels/fla.py``) in their place. ``cu_seqlens`` (packed variable-length sequences in a batch of one, as FLA takes
 them) runs each sequence on its own: simple and exact, one call per sequence.
 
 Letters: B batch, T time, h query/key heads, H value heads (a multiple of h: q/k head i serves value heads

@@ -1,0 +1,2 @@
+"""The bottom layer, importable from every other: the device module (``device``) and shared constants
+(``constants``). Imports nothing of the project."""

@@ -1,0 +1,25 @@
+"""Rotary position embedding torch reference (rotate-half convention, full or partial).
+
+What the attention modules' rotary kernel slot holds by default and what the device kernels beside it must
+reproduce: ``kernels/triton_rotary.py`` (CUDA) and ``kernels/npu.py`` (torch_npu), chosen by
+``kernels/registry.py``. The cos/sin tables come from the model (``models.layers.rotary_cos_sin``).
+Letters: B batch, H heads, T sequence, D head dim (the tables' last dim: the rotated channels, <= head dim).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of every head (all of them for full rotary)."""
+    rot = cos_BTD.shape[-1]
+    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
+    x_rot, x_pass = x_BHTD[..., :rot], x_BHTD[..., rot:]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin
+    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot

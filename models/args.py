@@ -1,0 +1,39 @@
+"""The hyper-parameters every family has, named as in transformers' configs: sizes, attention heads, the MoE block
+and its router, initialisation. A family's args dataclass extends ``MoeArgs`` with its own fields and defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MoeArgs:
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int = 128
+    rope_theta: float = 1_000_000.0
+    # MoE on every layer: num_experts_per_tok of num_experts routed experts (TopKRouter), each a SwiGLU of
+    # moe_intermediate_size; the Switch aux loss is added with router_aux_loss_coef.
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    router_aux_loss_coef: float = 0.001
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+
+    def validate(self) -> None:
+        """Raise ValueError naming the ``model.arch`` key; a family adds its own checks after these."""
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "moe_intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.arch.{name}={getattr(self, name)} must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"model.arch.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"model.arch.num_key_value_heads={self.num_key_value_heads}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"model.arch.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                             f"model.arch.num_experts={self.num_experts}]")
