@@ -10,8 +10,9 @@ references of DeltaNet's delta-rule kernel slots, and ``kernels/registry.py`` ca
 (``kernels/fla.py``) in their place. ``cu_seqlens`` (packed variable-length sequences in a batch of one, as FLA takes
 them) runs each sequence on its own: simple and exact, one call per sequence.
 
-Letters: B batch, T time, h query/key heads, H value heads (a multiple of h: q/k head i serves value heads
-i*H/h .. (i+1)*H/h - 1, as in FLA and transformers), k key dim, v value dim, C chunk length, N chunks.
+Letters as in DEVELOPERS.md (T the time steps; H value heads, a multiple of the h query/key heads: q/k head i
+serves value heads i*H/h .. (i+1)*H/h - 1, as in FLA and transformers; k, v the key and value head dims; C the chunk
+length, Q chunks).
 """
 
 from __future__ import annotations
@@ -111,30 +112,30 @@ def chunk_gated_delta_rule(
     state_BHkv = _initial_state(initial_state, v_BHTv, k_BHTk.shape[-1])
     # Zero padding at the end is inert: g = 0 and beta = 0 leave the state as it is; its outputs are cut off.
     C, pad = chunk_size, -T % chunk_size
-    q_BHNCk, k_BHNCk, v_BHNCv = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, C)) for x in (q_BHTk, k_BHTk, v_BHTv))
-    g_BHNC, beta_BHNC = (F.pad(x, (0, pad)).unflatten(2, (-1, C)) for x in (g_BHT, beta_BHT))
+    q_BHQCk, k_BHQCk, v_BHQCv = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, C)) for x in (q_BHTk, k_BHTk, v_BHTv))
+    g_BHQC, beta_BHQC = (F.pad(x, (0, pad)).unflatten(2, (-1, C)) for x in (g_BHT, beta_BHT))
 
-    gamma_BHNC = g_BHNC.cumsum(dim=-1)
+    gamma_BHQC = g_BHQC.cumsum(dim=-1)
     # e^{gamma_i - gamma_j} for j <= i; masked before exp, where the difference is positive and could overflow.
     causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay_BHNCC = (gamma_BHNC[..., :, None] - gamma_BHNC[..., None, :]).masked_fill(~causal_CC, -torch.inf).exp()
-    kbeta_BHNCk = k_BHNCk * beta_BHNC[..., None]
+    decay_BHQCC = (gamma_BHQC[..., :, None] - gamma_BHQC[..., None, :]).masked_fill(~causal_CC, -torch.inf).exp()
+    kbeta_BHQCk = k_BHQCk * beta_BHQC[..., None]
     # I + L: the solver reads only the strictly lower triangle of this product.
-    system_BHNCC = (kbeta_BHNCk @ k_BHNCk.transpose(-1, -2)) * decay_BHNCC
-    solve = functools.partial(torch.linalg.solve_triangular, system_BHNCC, upper=False, unitriangular=True)
-    u_BHNCv = solve(v_BHNCv * beta_BHNC[..., None])  # the deltas if the chunk started from S = 0
-    w_BHNCk = solve(kbeta_BHNCk * gamma_BHNC.exp()[..., None])  # how the chunk's initial state enters them
-    scores_BHNCC = (q_BHNCk @ k_BHNCk.transpose(-1, -2)) * decay_BHNCC  # diagonal included: o_t sees its own update
-    q_read_BHNCk = q_BHNCk * gamma_BHNC.exp()[..., None]  # reads the initial state, decayed up to each token
-    k_write_BHNCk = k_BHNCk * (gamma_BHNC[..., -1:] - gamma_BHNC).exp()[..., None]  # decayed to the chunk end
-    chunk_decay_BHN = gamma_BHNC[..., -1].exp()
+    system_BHQCC = (kbeta_BHQCk @ k_BHQCk.transpose(-1, -2)) * decay_BHQCC
+    solve = functools.partial(torch.linalg.solve_triangular, system_BHQCC, upper=False, unitriangular=True)
+    u_BHQCv = solve(v_BHQCv * beta_BHQC[..., None])  # the deltas if the chunk started from S = 0
+    w_BHQCk = solve(kbeta_BHQCk * gamma_BHQC.exp()[..., None])  # how the chunk's initial state enters them
+    scores_BHQCC = (q_BHQCk @ k_BHQCk.transpose(-1, -2)) * decay_BHQCC  # diagonal included: o_t sees its own update
+    q_read_BHQCk = q_BHQCk * gamma_BHQC.exp()[..., None]  # reads the initial state, decayed up to each token
+    k_write_BHQCk = k_BHQCk * (gamma_BHQC[..., -1:] - gamma_BHQC).exp()[..., None]  # decayed to the chunk end
+    chunk_decay_BHQ = gamma_BHQC[..., -1].exp()
 
     outputs = []
-    for n in range(q_BHNCk.shape[2]):
-        delta_BHCv = u_BHNCv[:, :, n] - w_BHNCk[:, :, n] @ state_BHkv
-        outputs.append(q_read_BHNCk[:, :, n] @ state_BHkv + scores_BHNCC[:, :, n] @ delta_BHCv)
-        state_BHkv = (state_BHkv * chunk_decay_BHN[:, :, n, None, None]
-                      + k_write_BHNCk[:, :, n].transpose(-1, -2) @ delta_BHCv)
+    for i in range(q_BHQCk.shape[2]):
+        delta_BHCv = u_BHQCv[:, :, i] - w_BHQCk[:, :, i] @ state_BHkv
+        outputs.append(q_read_BHQCk[:, :, i] @ state_BHkv + scores_BHQCC[:, :, i] @ delta_BHCv)
+        state_BHkv = (state_BHkv * chunk_decay_BHQ[:, :, i, None, None]
+                      + k_write_BHQCk[:, :, i].transpose(-1, -2) @ delta_BHCv)
     o_BHTv = torch.cat(outputs, dim=2)[:, :, :T]
     return o_BHTv.transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None
 

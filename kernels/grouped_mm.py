@@ -5,7 +5,7 @@
 (probed at the first call with a tiny forward + backward, then cached) and the loop elsewhere; torch_npu's grouped
 matmul on NPU (``kernels.npu_moe``); the reference ``per_group_mm``, an exact per-group loop of ``torch.mm``,
 everywhere else (on CPU, torch's own ``_grouped_mm`` is that loop, to the bit).
-Letters: M routed rows, G groups (local experts), K in-features, N out-features.
+Letters as in DEVELOPERS.md: M routed rows, G groups (local experts), i in-features, o out-features.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ def _probe(dev: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:  # an explicit device index: the current device is per thread
-        x_MK = torch.randn(4, 16, device=dev, dtype=dtype)
-        w_GKN = torch.randn(2, 16, 16, device=dev, dtype=dtype)
+        x_Mi = torch.randn(4, 16, device=dev, dtype=dtype)
+        w_Gio = torch.randn(2, 16, 16, device=dev, dtype=dtype)
         offs_G = torch.tensor([1, 4], device=dev, dtype=torch.int32)
-        y_MN = torch._grouped_mm(x_MK, w_GKN, offs=offs_G)
-        torch._grouped_mm(y_MN, w_GKN.transpose(-2, -1), offs=offs_G)
-        torch._grouped_mm(x_MK.t(), y_MN, offs=offs_G)
+        y_Mo = torch._grouped_mm(x_Mi, w_Gio, offs=offs_G)
+        torch._grouped_mm(y_Mo, w_Gio.transpose(-2, -1), offs=offs_G)
+        torch._grouped_mm(x_Mi.t(), y_Mo, offs=offs_G)
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -52,11 +52,11 @@ def _aligned(*sizes_in_elements: int, dtype: torch.dtype) -> bool:
     return all(s * itemsize % 16 == 0 for s in sizes_in_elements)
 
 
-def native_grouped_mm_ok(x_MK: torch.Tensor, w_GKN: torch.Tensor) -> bool:
+def native_grouped_mm_ok(x_Mi: torch.Tensor, w_Gio: torch.Tensor) -> bool:
     return (
-        x_MK.dtype == w_GKN.dtype
-        and _aligned(w_GKN.shape[1], w_GKN.shape[2], dtype=w_GKN.dtype)
-        and _native_supported(x_MK.device, x_MK.dtype)
+        x_Mi.dtype == w_Gio.dtype
+        and _aligned(w_Gio.shape[1], w_Gio.shape[2], dtype=w_Gio.dtype)
+        and _native_supported(x_Mi.device, x_Mi.dtype)
     )
 
 
@@ -73,34 +73,34 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+def grouped_mm(x_Mi: torch.Tensor, w_Gio: torch.Tensor, counts_G: torch.Tensor,
                counts_host: list[int] | None = None) -> torch.Tensor:
-    """Multiply each group of rows of ``x_MK`` (sizes ``counts_G``, in order) by its matrix ``w_GKN[g]``, with the
+    """Multiply each group of rows of ``x_Mi`` (sizes ``counts_G``, in order) by its matrix ``w_Gio[g]``, with the
     installed kernel. ``counts_host``: the same sizes as Python ints where the caller has them, so that a kernel
     needing them on the host takes no sync. Under autocast both operands are cast to its dtype first, as autocast
     does for ``torch.mm``."""
-    device_type = x_MK.device.type
+    device_type = x_Mi.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        x_MK, w_GKN = x_MK.to(dtype), w_GKN.to(dtype)
-    return kernel("grouped_mm", x_MK, per_group_mm)(x_MK, w_GKN, counts_G, counts_host)
+        x_Mi, w_Gio = x_Mi.to(dtype), w_Gio.to(dtype)
+    return kernel("grouped_mm", x_Mi, per_group_mm)(x_Mi, w_Gio, counts_G, counts_host)
 
 
-def native_grouped_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+def native_grouped_mm(x_Mi: torch.Tensor, w_Gio: torch.Tensor, counts_G: torch.Tensor,
                       counts_host: list[int] | None = None) -> torch.Tensor:
     """``torch._grouped_mm`` where this build supports the device and dtype (and the strides are aligned), else
     the per-group loop."""
-    if native_grouped_mm_ok(x_MK, w_GKN):
+    if native_grouped_mm_ok(x_Mi, w_Gio):
         offs_G = torch.cumsum(counts_G, dim=0, dtype=torch.int32)
-        return _DenseGrad.apply(torch._grouped_mm(x_MK, w_GKN, offs=offs_G))
-    return per_group_mm(x_MK, w_GKN, counts_G, counts_host)
+        return _DenseGrad.apply(torch._grouped_mm(x_Mi, w_Gio, offs=offs_G))
+    return per_group_mm(x_Mi, w_Gio, counts_G, counts_host)
 
 
-def per_group_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+def per_group_mm(x_Mi: torch.Tensor, w_Gio: torch.Tensor, counts_G: torch.Tensor,
                  counts_host: list[int] | None = None) -> torch.Tensor:
     """The exact reference: one ``torch.mm`` per non-empty group (one host sync for the sizes, unless given)."""
-    chunks = x_MK.split(counts_G.tolist() if counts_host is None else counts_host)
-    outs = [chunk @ w_GKN[g] for g, chunk in enumerate(chunks) if chunk.shape[0] > 0]
+    chunks = x_Mi.split(counts_G.tolist() if counts_host is None else counts_host)
+    outs = [chunk @ w_Gio[g] for g, chunk in enumerate(chunks) if chunk.shape[0] > 0]
     if not outs:  # no rows at all: an empty product still in the graph (zero gradients, as torch._grouped_mm gives)
-        return x_MK @ w_GKN[0] if w_GKN.shape[0] else x_MK.new_zeros(0, w_GKN.shape[2])
+        return x_Mi @ w_Gio[0] if w_Gio.shape[0] else x_Mi.new_zeros(0, w_Gio.shape[2])
     return torch.cat(outs)

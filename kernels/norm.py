@@ -2,7 +2,8 @@
 
 What the models' norm kernel slots hold by default and what the device kernels beside them must reproduce:
 ``kernels/triton_norm.py`` (CUDA) and ``kernels/npu.py`` (torch_npu), chosen by ``kernels/registry.py``.
-Letters: x [..., D] normalised over its last dim D; weight [D].
+Letters as in DEVELOPERS.md: x [..., D] normalised over its last dim D (the hidden size, or a head dim for
+the per-head norms); weight [D].
 """
 
 from __future__ import annotations

@@ -36,12 +36,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch_npu.npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 
-def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x_BHTd: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
     """As ``kernels.rotary.apply_rotary``: the first ``cos.shape[-1]`` channels of every head rotated."""
-    rot = cos_BTD.shape[-1]
-    dtype = torch.promote_types(x_BHTD.dtype, cos_BTD.dtype)
-    cos_B1TD, sin_B1TD = (t.unsqueeze(1).to(dtype) for t in (cos_BTD, sin_BTD))
-    x_rot = torch_npu.npu_rotary_mul(x_BHTD[..., :rot].to(dtype).contiguous(), cos_B1TD, sin_B1TD)
-    if rot == x_BHTD.shape[-1]:
+    rot = cos_BTr.shape[-1]
+    dtype = torch.promote_types(x_BHTd.dtype, cos_BTr.dtype)
+    cos_B1Tr, sin_B1Tr = (t.unsqueeze(1).to(dtype) for t in (cos_BTr, sin_BTr))
+    x_rot = torch_npu.npu_rotary_mul(x_BHTd[..., :rot].to(dtype).contiguous(), cos_B1Tr, sin_B1Tr)
+    if rot == x_BHTd.shape[-1]:
         return x_rot
-    return torch.cat((x_rot, x_BHTD[..., rot:].to(dtype)), dim=-1)
+    return torch.cat((x_rot, x_BHTd[..., rot:].to(dtype)), dim=-1)

@@ -8,7 +8,7 @@ that sums over K and does not keep the weighted [M, D] product for backward, as 
 K-to-one gathers run in token chunks, so their transient gathered rows stay within [N, D] (what eager's
 zero-filled buffer costs), not [M, D] (512 MiB per layer at the Qwen3-30B-A3B shapes).
 
-Letters: N tokens, K top-k, M = N*K routed rows in expert order, D hidden.
+Letters as in DEVELOPERS.md (M = N*K routed rows, here in expert order).
 ``order_M``: flat (token, k) slot of each expert-ordered row (a stable argsort of the expert ids);
 ``inv_M``: its inverse (row of each flat slot); ``token_M = order_M // K``.
 

@@ -3,7 +3,8 @@
 What the attention modules' rotary kernel slot holds by default and what the device kernels beside it must
 reproduce: ``kernels/triton_rotary.py`` (CUDA) and ``kernels/npu.py`` (torch_npu), chosen by
 ``kernels/registry.py``. The cos/sin tables come from the model (``models.layers.rotary_cos_sin``).
-Letters: B batch, H heads, T sequence, D head dim (the tables' last dim: the rotated channels, <= head dim).
+Letters as in DEVELOPERS.md: x [B, H, T, d] (H the heads of whichever tensor: q's H or k's h), the cos / sin
+tables [B, T, r] (r <= d rotated channels).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x_BHTd: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``cos.shape[-1]`` channels of every head (all of them for full rotary)."""
-    rot = cos_BTD.shape[-1]
-    cos, sin = cos_BTD.unsqueeze(1), sin_BTD.unsqueeze(1)
-    x_rot, x_pass = x_BHTD[..., :rot], x_BHTD[..., rot:]
+    rot = cos_BTr.shape[-1]
+    cos, sin = cos_BTr.unsqueeze(1), sin_BTr.unsqueeze(1)
+    x_rot, x_pass = x_BHTd[..., :rot], x_BHTd[..., rot:]
     x_rot = x_rot * cos + rotate_half(x_rot) * sin
     return torch.cat((x_rot, x_pass), dim=-1) if x_pass.shape[-1] else x_rot

@@ -16,9 +16,9 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _fwd_kernel(G, U, Y, N, BLOCK: tl.constexpr):
+def _fwd_kernel(G, U, Y, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    mask = offs < numel
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(G.dtype.element_ty).to(tl.float32)
@@ -26,9 +26,9 @@ def _fwd_kernel(G, U, Y, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bwd_kernel(G, U, DY, DG, DU, N, BLOCK: tl.constexpr):
+def _bwd_kernel(G, U, DY, DG, DU, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    mask = offs < numel
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
@@ -44,8 +44,8 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty(gate.shape, device=gate.device, dtype=torch.promote_types(gate.dtype, up.dtype))
-        N = gate.numel()
-        _fwd_kernel[(triton.cdiv(N, _BLOCK),)](gate, up, y, N, BLOCK=_BLOCK)
+        numel = gate.numel()
+        _fwd_kernel[(triton.cdiv(numel, _BLOCK),)](gate, up, y, numel, BLOCK=_BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
@@ -54,15 +54,15 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dy = dy.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        N = gate.numel()
-        _bwd_kernel[(triton.cdiv(N, _BLOCK),)](gate, up, dy, dgate, dup, N, BLOCK=_BLOCK)
+        numel = gate.numel()
+        _bwd_kernel[(triton.cdiv(numel, _BLOCK),)](gate, up, dy, dgate, dup, numel, BLOCK=_BLOCK)
         return dgate, dup
 
 
 @triton.jit
-def _packed_fwd_kernel(X, Y, N, I: tl.constexpr, BLOCK: tl.constexpr):
+def _packed_fwd_kernel(X, Y, numel, I: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # over the [rows, I] output
-    mask = offs < N
+    mask = offs < numel
     gate_at = (offs // I) * (2 * I) + offs % I
     g = tl.load(X + gate_at, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + gate_at + I, mask=mask, other=0.0).to(tl.float32)
@@ -71,9 +71,9 @@ def _packed_fwd_kernel(X, Y, N, I: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _packed_bwd_kernel(X, DY, DX, N, I: tl.constexpr, BLOCK: tl.constexpr):
+def _packed_bwd_kernel(X, DY, DX, numel, I: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    mask = offs < numel
     gate_at = (offs // I) * (2 * I) + offs % I
     g = tl.load(X + gate_at, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + gate_at + I, mask=mask, other=0.0).to(tl.float32)
@@ -93,9 +93,9 @@ class _PackedSwiGLU(torch.autograd.Function):
         gate_up = gate_up.contiguous()
         I = gate_up.shape[-1] // 2
         y = gate_up.new_empty(*gate_up.shape[:-1], I)
-        N = y.numel()
-        if N:
-            _packed_fwd_kernel[(triton.cdiv(N, _BLOCK),)](gate_up, y, N, I=I, BLOCK=_BLOCK)
+        numel = y.numel()
+        if numel:
+            _packed_fwd_kernel[(triton.cdiv(numel, _BLOCK),)](gate_up, y, numel, I=I, BLOCK=_BLOCK)
         ctx.save_for_backward(gate_up)
         return y
 
@@ -104,9 +104,10 @@ class _PackedSwiGLU(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch.empty_like(gate_up)
-        N = dy.numel()
-        if N:
-            _packed_bwd_kernel[(triton.cdiv(N, _BLOCK),)](gate_up, dy, dx, N, I=gate_up.shape[-1] // 2, BLOCK=_BLOCK)
+        numel = dy.numel()
+        if numel:
+            _packed_bwd_kernel[(triton.cdiv(numel, _BLOCK),)](gate_up, dy, dx, numel, I=gate_up.shape[-1] // 2,
+                                                              BLOCK=_BLOCK)
         return dx
 
 

@@ -13,7 +13,7 @@ from kernels.rotary import apply_rotary
 from models.layers import causal_attention
 from models.sequence_ops import Heads, Passed, SequenceOp
 
-# q [B, H, t, d] and k, v [B, Hkv, t, d] (shared by the query heads), document ids whole; the output like q.
+# q [B, H, t, d] and k, v [B, h, t, d] (shared by the query heads), document ids whole; the output like q.
 CORE_ATTENTION = SequenceOp(args=(Heads(seq_dim=2, head_dim=1), Heads(2, 1, shared=True), Heads(2, 1, shared=True),
                                   Passed()), out=Heads(2, 1))
 
@@ -43,15 +43,15 @@ class Attention(nn.Module):
         q_BTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, -1)
         q_BTHd, gate_BTHd = q_BTHd.chunk(2, dim=-1) if self.gated else (q_BTHd, None)
         q_BHTd = self.q_norm(q_BTHd).transpose(1, 2)
-        k_BHTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v_BHTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHTd, k_BHTd = self.rotary(q_BHTd, cos_BTr, sin_BTr), self.rotary(k_BHTd, cos_BTr, sin_BTr)
-        o_BTHd = self.core_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT).transpose(1, 2)
+        k_BhTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v_BhTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHTd, k_BhTd = self.rotary(q_BHTd, cos_BTr, sin_BTr), self.rotary(k_BhTd, cos_BTr, sin_BTr)
+        o_BTHd = self.core_attention(q_BHTd, k_BhTd, v_BhTd, doc_ids_BT).transpose(1, 2)
         if gate_BTHd is not None:
             o_BTHd = o_BTHd * torch.sigmoid(gate_BTHd)
         return self.o_proj(o_BTHd.reshape(B, T, -1))
 
-    def core_attention(self, q_BHTd: torch.Tensor, k_BHTd: torch.Tensor, v_BHTd: torch.Tensor,
+    def core_attention(self, q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTd: torch.Tensor,
                        doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
         """Attention over the whole sequence on the heads given (a sequence op: CP passes a head shard)."""
-        return causal_attention(q_BHTd, k_BHTd, v_BHTd, doc_ids_BT, scale=self.head_dim**-0.5)
+        return causal_attention(q_BHTd, k_BhTd, v_BhTd, doc_ids_BT, scale=self.head_dim**-0.5)

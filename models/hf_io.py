@@ -158,7 +158,7 @@ def _direct_source(f: Any, disk_name: str) -> _Source:
 
 
 def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
-    """Experts stored one by one, part by part ([R, C] each), seen as the fused [E, parts x R, C]."""
+    """Experts stored one by one, part by part ([rows, cols] each), seen as the fused [E, parts x rows, cols]."""
     rows, cols = parts_by_expert[0][0].get_shape()
     num_parts = len(parts_by_expert[0])
 
@@ -167,7 +167,7 @@ def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
         stacked = []
         for parts in parts_by_expert[experts]:
             pieces = []
-            for i, part in enumerate(parts):  # the rows of part i are [i*R, (i+1)*R) of the fused expert
+            for i, part in enumerate(parts):  # the rows of part i are [i*rows, (i+1)*rows) of the fused expert
                 lo, hi = max(row_range.start, i * rows), min(row_range.stop, (i + 1) * rows)
                 if lo < hi:
                     pieces.append(part[lo - i * rows:hi - i * rows, col_range])
@@ -296,8 +296,8 @@ def _disk_tensors(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> dict[st
             out[_to_disk(spec, name)] = state[name]
             continue
         parts = EXPERT_WEIGHTS[match[2]]
-        for j, w_RC in enumerate(state[name]):  # R = parts x rows of one part
-            for part, w_part in zip(parts, w_RC.chunk(len(parts), dim=0)):
+        for j, w_expert in enumerate(state[name]):  # [parts x rows of one part, cols]
+            for part, w_part in zip(parts, w_expert.chunk(len(parts), dim=0)):
                 out[_to_disk(spec, f"{match[1]}.{j}.{part}")] = w_part
     return out
 

@@ -1,7 +1,6 @@
 """Building blocks shared by the model families: RMSNorm, rotary tables, document masks and causal attention.
 
-Shape letters used across models/: B batch, T sequence, D hidden, H query heads, Hkv key/value heads,
-Dh head dim, E experts, K top-k, I expert intermediate, N tokens (B*T), M routed rows (N*K).
+Letters as in DEVELOPERS.md ("Shape suffixes"), in every file of models/.
 
 Kernel slots: a module class may declare ``kernel_slots`` (attribute -> op name). It calls that op through the
 attribute, which holds the op's torch reference by default (``kernels/norm.py``, ``swiglu.py``, ``rotary.py``,
@@ -63,9 +62,9 @@ def rotary_cos_sin(
     """
     exponent = torch.arange(0, rotary_dim, 2, device=position_ids_BT.device, dtype=torch.float32) / rotary_dim
     inv_freq = 1.0 / (theta**exponent)
-    freqs_BTR = position_ids_BT.float()[..., None] * inv_freq  # R = rotary_dim / 2
-    emb_BTD = torch.cat((freqs_BTR, freqs_BTR), dim=-1)
-    return emb_BTD.cos().to(dtype), emb_BTD.sin().to(dtype)
+    freqs = position_ids_BT.float()[..., None] * inv_freq  # [B, T, r / 2]
+    emb_BTr = torch.cat((freqs, freqs), dim=-1)
+    return emb_BTr.cos().to(dtype), emb_BTr.sin().to(dtype)
 
 
 def document_ids(position_ids_BT: torch.Tensor) -> torch.Tensor | None:

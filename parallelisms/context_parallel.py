@@ -7,9 +7,9 @@ all-to-all trades back. Everything else is token-wise and runs on the local toke
 RoPE (each token with its own position id), the MoE layers with their EP all-to-all. The declaration says what
 each argument is, so nothing here knows a model:
 
-- ``Heads`` (e.g. attention's q, k, v [B, H, t, d] -> [B, H/cp, T, d]; DeltaNet's q, k, v, g, beta): one
+- ``Heads`` (e.g. attention's q [B, H, t, d] -> [B, H/cp, T, d], k and v likewise; DeltaNet's q, k, v, g, beta): one
   all-to-all per dtype for all of an op's head arguments; the result back the same way.
-- ``HeadWeights`` (e.g. DeltaNet's conv taps [heads, ., K]): sliced to this rank's heads, so the causal conv runs
+- ``HeadWeights`` (e.g. DeltaNet's conv taps [heads, ., W]): sliced to this rank's heads, so the causal conv runs
   on the whole sequence of this rank's channels.
 - ``WholeSequence`` (the position ids that document ids come from): one all-gather per forward.
 
@@ -19,7 +19,8 @@ copies' gradients. Gradients need nothing else: each rank's loss share is normal
 the dense gradients are averaged over all dp x cp ranks, and expert weights are replicated over expert_cp (see
 docs/parallel.md).
 
-Letters: t = T/cp local tokens, n heads of a tensor, P = cp.
+Letters as in DEVELOPERS.md (t = T/cp local tokens, P = cp ranks), plus: n the heads of whichever tensor (its H or
+h), m the features sent to one rank in one all-to-all (the flattened rest).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def _norm_case(name: str, shape: tuple[int, ...], w_shift: float, gated: bool = 
 def _rotary_case(name: str, B: int, H: int, T: int, head_dim: int, rotary_dim: int) -> Case:
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
         angle_BTr = torch.rand(B, T, rotary_dim, generator=gen, device=dev) * 6.3
-        # q / k as the model passes them: [B, T, H, Dh] projections viewed as [B, H, T, Dh]
+        # q / k as the model passes them: [B, T, H, d] projections viewed as [B, H, T, d]
         return {"x": _randn(gen, dev, B, T, H, head_dim).transpose(1, 2), "cos": angle_BTr.cos().bfloat16(),
                 "sin": angle_BTr.sin().bfloat16()}
 
@@ -81,9 +81,9 @@ def _rotary_case(name: str, B: int, H: int, T: int, head_dim: int, rotary_dim: i
 
 
 def _delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int) -> Inputs:
-    h, H, K, V = 16, 32, 128, 128  # Qwen3.5-35B-A3B DeltaNet
+    h, H, dk, dv = 16, 32, 128, 128  # Qwen3.5-35B-A3B DeltaNet
     a = torch.randn(B, T, H, generator=gen, device=dev)
-    return {"q": _randn(gen, dev, B, T, h, K), "k": _randn(gen, dev, B, T, h, K), "v": _randn(gen, dev, B, T, H, V),
+    return {"q": _randn(gen, dev, B, T, h, dk), "k": _randn(gen, dev, B, T, h, dk), "v": _randn(gen, dev, B, T, H, dv),
             # as the model: g = -exp(A_log) * softplus(a + dt_bias) in fp32, A = U(0.01, 16) per head
             "g": -torch.empty(H, device=dev).uniform_(0.01, 16, generator=gen) * F.softplus(a + 1.0),
             "beta": torch.rand(B, T, H, generator=gen, device=dev).bfloat16()}
@@ -115,7 +115,7 @@ def _ce_case(name: str, call: Callable[[Callable, Inputs], torch.Tensor]) -> Cas
                 backward=False)
 
 
-T_ROUTED, K_TOP, E_LOCAL, D_HIDDEN, I_EXPERT = 4 * 4096, 8, 16, 2048, 768  # Qwen3-30B-A3B, one rank's tokens
+N_TOKENS, K_TOP, G_LOCAL, D_HIDDEN, I_EXPERT = 4 * 4096, 8, 16, 2048, 768  # Qwen3-30B-A3B, one rank's tokens
 
 
 def _routing(gen: torch.Generator, dev: torch.device, N: int, K: int, E: int) -> torch.Tensor:
@@ -124,47 +124,47 @@ def _routing(gen: torch.Generator, dev: torch.device, N: int, K: int, E: int) ->
 
 
 def _maps(gen: torch.Generator, dev: torch.device) -> Inputs:
-    order = torch.argsort(_routing(gen, dev, T_ROUTED, K_TOP, 128).flatten(), stable=True)
+    order = torch.argsort(_routing(gen, dev, N_TOKENS, K_TOP, 128).flatten(), stable=True)
     return {"order": order, "inv": torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))}
 
 
 def _gather_case(name: str, weighted: bool) -> Case:
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
-        inputs = {"src": _randn(gen, dev, T_ROUTED * K_TOP, D_HIDDEN), **_maps(gen, dev)}
+        inputs = {"src": _randn(gen, dev, N_TOKENS * K_TOP, D_HIDDEN), **_maps(gen, dev)}
         if weighted:
-            inputs["weights"] = torch.rand(T_ROUTED, K_TOP, generator=gen, device=dev).bfloat16()
+            inputs["weights"] = torch.rand(N_TOKENS, K_TOP, generator=gen, device=dev).bfloat16()
         return inputs
 
     # Not autograd functions: the outputs are compared (the unpermute forward / the permute backward).
-    return Case(name, make, lambda fn, t: fn(t["src"], t["inv"], T_ROUTED, K_TOP, t.get("weights")),
+    return Case(name, make, lambda fn, t: fn(t["src"], t["inv"], N_TOKENS, K_TOP, t.get("weights")),
                 TOL_ELEMENTWISE, backward=False)
 
 
 def _unpermute_backward_case(name: str, output: int) -> Case:
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
-        return {"grad": _randn(gen, dev, T_ROUTED, D_HIDDEN), "y": _randn(gen, dev, T_ROUTED * K_TOP, D_HIDDEN),
-                "weights": torch.rand(T_ROUTED, K_TOP, generator=gen, device=dev).bfloat16(), **_maps(gen, dev)}
+        return {"grad": _randn(gen, dev, N_TOKENS, D_HIDDEN), "y": _randn(gen, dev, N_TOKENS * K_TOP, D_HIDDEN),
+                "weights": torch.rand(N_TOKENS, K_TOP, generator=gen, device=dev).bfloat16(), **_maps(gen, dev)}
 
     return Case(name, make, lambda fn, t: fn(t["grad"], t["y"], t["weights"], t["order"], t["inv"])[output],
                 TOL_ELEMENTWISE, backward=False)
 
 
-def _grouped_mm_case(name: str, rows: int, n_out: int, k_in: int, empty_expert: bool = False) -> Case:
+def _grouped_mm_case(name: str, rows: int, o_features: int, i_features: int, empty_expert: bool = False) -> Case:
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
-        share = torch.rand(E_LOCAL, generator=gen, device=dev) + 0.5
+        share = torch.rand(G_LOCAL, generator=gen, device=dev) + 0.5
         share[3] = 0 if empty_expert else share[3]
         counts = (share / share.sum() * rows).long()
         counts[0] += rows - counts.sum()
-        # x [M, K] rows by local expert; w [G, N, K] as the experts store it (the model passes its transpose).
-        return {"x": _randn(gen, dev, rows, k_in), "w": _randn(gen, dev, E_LOCAL, n_out, k_in, scale=0.02),
-                "counts": counts}
+        # x [M, i] rows by local expert; w [G, o, i] as the experts store it (the model passes its transpose).
+        x = _randn(gen, dev, rows, i_features)
+        return {"x": x, "w": _randn(gen, dev, G_LOCAL, o_features, i_features, scale=0.02), "counts": counts}
 
     return Case(name, make, lambda fn, t: fn(t["x"], t["w"].transpose(-2, -1), t["counts"]), TOL_ELEMENTWISE)
 
 
 def _token_inputs(gen: torch.Generator, dev: torch.device) -> Inputs:
-    return {"x": _randn(gen, dev, T_ROUTED, D_HIDDEN), "experts": _routing(gen, dev, T_ROUTED, K_TOP, 128),
-            "weights": torch.rand(T_ROUTED, K_TOP, generator=gen, device=dev).bfloat16()}
+    return {"x": _randn(gen, dev, N_TOKENS, D_HIDDEN), "experts": _routing(gen, dev, N_TOKENS, K_TOP, 128),
+            "weights": torch.rand(N_TOKENS, K_TOP, generator=gen, device=dev).bfloat16()}
 
 
 def _round_trip(permute: Callable, unpermute: Callable) -> Callable:

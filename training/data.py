@@ -3,14 +3,14 @@
 Every document is tokenized, followed by <|endoftext|>, and concatenated into one stream of ids with a
 parallel loss mask. The stream is cut into non-overlapping windows of seq_len + 1 tokens (the tail is
 dropped). Window order is a per-epoch permutation fixed by the seed. Global micro-batch k is windows
-[k*G, (k+1)*G) of that order, with G = local_batch_size * dp_size, and dp rank r takes the contiguous
+[k*g, (k+1)*g) of that order, with g = local_batch_size * dp_size, and dp rank r takes the contiguous
 rows [r*local_batch_size, (r+1)*local_batch_size), so batches do not depend on the parallel layout.
 
 Packed documents (``data.document_mask``): position ids restart at each document start (after <|endoftext|>), which
 tells the model to keep attention and DeltaNet within documents (``models.layers.document_ids``). Under context
 parallelism the cp ranks of a dp slice read the same rows, each keeping its contiguous 1/cp (``context_shard``).
 
-Shape letters: B local batch, T seq_len, T1 seq_len + 1.
+Letters as in DEVELOPERS.md: B the local batch, T seq_len, T1 = seq_len + 1.
 """
 
 from __future__ import annotations

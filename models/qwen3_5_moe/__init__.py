@@ -1,7 +1,7 @@
 """Qwen3.5-MoE (text): Gated DeltaNet and gated full attention layers, MoE with a shared expert on every layer.
 
-Shape letters as in ``models/layers.py``, plus: d head dim, r rotary channels (head_dim x partial_rotary_factor),
-F DeltaNet's [q | k | v] conv channels, v value head dim; ``kernels/delta_rule.py`` defines its own (value heads H there).
+Letters as in DEVELOPERS.md (in DeltaNet H are the value heads, h the query/key heads; r = head_dim x
+partial_rotary_factor rotary channels).
 """
 
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs

@@ -72,8 +72,8 @@ class Qwen3_5MoeArgs(MoeArgs):
     def _layer_params(self) -> tuple[int, int, int]:
         """(full-attention mixer, DeltaNet mixer, MoE block excluding routed experts) parameter counts."""
         D, d = self.hidden_size, self.head_dim
-        H, Hkv = self.num_attention_heads, self.num_key_value_heads
-        attention = D * 2 * H * d + 2 * D * Hkv * d + H * d * D + 2 * d  # q_proj emits [q | gate]; q/k norms
+        H, h = self.num_attention_heads, self.num_key_value_heads
+        attention = D * 2 * H * d + 2 * D * h * d + H * d * D + 2 * d  # q_proj emits [q | gate]; q/k norms
         key_dim = self.linear_num_key_heads * self.linear_key_head_dim
         value_dim = self.linear_num_value_heads * self.linear_value_head_dim
         conv_dim = 2 * key_dim + value_dim

@@ -1,5 +1,8 @@
 """Gated DeltaNet, Qwen3.5's linear-attention token mixer (transformers' ``Qwen3_5MoeGatedDeltaNet`` without the
-decoding cache)."""
+decoding cache).
+
+Letters as in DEVELOPERS.md: H value heads, h query/key heads, F the conv channels [q | k | v], W the conv window.
+"""
 
 from __future__ import annotations
 
@@ -19,18 +22,18 @@ from models.sequence_ops import Heads, HeadWeights, Passed, SequenceOp
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # chunk_gated_delta_rule's signature
 
 
-def causal_conv1d(x_BTF: torch.Tensor, w_FK: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal convolution ``y_t = sum_j w[:, K-1-j] * x_{t-j}``, with only the taps inside t's document
-    when ``doc_ids_BT`` is given (a document's window starts empty, as in a row of its own)."""
-    T, K = x_BTF.shape[1], w_FK.shape[1]
+def causal_conv1d(x_BTF: torch.Tensor, w_FW: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal convolution ``y_t = sum_j w[:, W-1-j] * x_{t-j}`` over a window of W taps, with only the
+    taps inside t's document when ``doc_ids_BT`` is given (a document's window starts empty, as in a row of its own)."""
+    T, W = x_BTF.shape[1], w_FW.shape[1]
     if doc_ids_BT is None:
-        # Padded on both sides by K - 1 and cut to the first T outputs, which makes it causal.
-        y_BFT = F.conv1d(x_BTF.transpose(1, 2), w_FK[:, None], padding=K - 1, groups=w_FK.shape[0])
+        # Padded on both sides by W - 1 and cut to the first T outputs, which makes it causal.
+        y_BFT = F.conv1d(x_BTF.transpose(1, 2), w_FW[:, None], padding=W - 1, groups=w_FW.shape[0])
         return y_BFT[..., :T].transpose(1, 2)
-    y_BTF = x_BTF * w_FK[:, K - 1]
-    for j in range(1, K):  # tap j reads the token j back, if it is in the same document
+    y_BTF = x_BTF * w_FW[:, W - 1]
+    for j in range(1, W):  # tap j reads the token j back, if it is in the same document
         same_BT = F.pad((doc_ids_BT[:, j:] == doc_ids_BT[:, :-j]).to(x_BTF.dtype), (j, 0))[:, :T]
-        y_BTF = y_BTF + F.pad(x_BTF, (0, 0, j, 0))[:, :T] * w_FK[:, K - 1 - j] * same_BT[..., None]
+        y_BTF = y_BTF + F.pad(x_BTF, (0, 0, j, 0))[:, :T] * w_FW[:, W - 1 - j] * same_BT[..., None]
     return y_BTF
 
 
@@ -47,7 +50,7 @@ class GatedDeltaNet(nn.Module):
     kernel_slots: ClassVar[Mapping[str, str]] = {"delta_rule": "chunk_gated_delta_rule",
                                                  "recurrent_delta_rule": "fused_recurrent_gated_delta_rule"}
     # q, k [B, t, h, k] (h heads shared by the value heads), v [B, t, H, v], g and beta [B, t, H], the conv taps of
-    # q, k and v [heads, ., K] (whole), document ids whole; the output [B, t, H, v].
+    # q, k and v [heads, ., W] (whole), document ids whole; the output [B, t, H, v].
     sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"core_delta_rule": SequenceOp(
         args=(Heads(1, 2, shared=True), Heads(1, 2, shared=True), Heads(1, 2), Heads(1, 2), Heads(1, 2),
               (HeadWeights(0, shared=True), HeadWeights(0, shared=True), HeadWeights(0)), Passed()),
@@ -82,13 +85,13 @@ class GatedDeltaNet(nn.Module):
         h, H, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         split_F = [self.key_dim, self.key_dim, self.value_dim]  # F = conv channels [q | k | v]
         q_BTF, k_BTF, v_BTF = self.in_proj_qkv(x_BTD).split(split_F, dim=-1)
-        conv_q_FK, conv_k_FK, conv_v_FK = self.conv1d.weight[:, 0].split(split_F)
+        conv_q_FW, conv_k_FW, conv_v_FW = self.conv1d.weight[:, 0].split(split_F)
         beta_BTH = torch.sigmoid(self.in_proj_b(x_BTD))
         # fp32: in bf16/fp16, exp(A_log) times softplus could overflow or lose the decay's precision.
         g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
         o_BTHv = self.core_delta_rule(
             q_BTF.view(B, T, h, dk), k_BTF.view(B, T, h, dk), v_BTF.view(B, T, H, dv), g_BTH, beta_BTH,
-            (conv_q_FK.view(h, dk, -1), conv_k_FK.view(h, dk, -1), conv_v_FK.view(H, dv, -1)), doc_ids_BT)
+            (conv_q_FW.view(h, dk, -1), conv_k_FW.view(h, dk, -1), conv_v_FW.view(H, dv, -1)), doc_ids_BT)
         z_BTHv = self.in_proj_z(x_BTD).view(B, T, H, dv)
         return self.out_proj(self.norm(o_BTHv, z_BTHv).reshape(B, T, -1))
 
@@ -96,13 +99,13 @@ class GatedDeltaNet(nn.Module):
                         beta_BTH: torch.Tensor, conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                         doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
         """Causal conv (silu) and the delta rule over the whole sequence on the heads given: h q/k heads with their
-        conv taps [h, k, K] (q and k) and H value heads with theirs [H, v, K]. A sequence op: CP passes a head shard.
+        conv taps [h, k, W] (q and k) and H value heads with theirs [H, v, W]. A sequence op: CP passes a head shard.
         Packed documents run as FLA's variable-length sequences (``cu_seqlens``, a batch of one)."""
         B, T, h, dk = q_BThk.shape
         H, dv = v_BTHv.shape[2:]
         qkv_BTF = torch.cat([x.flatten(2) for x in (q_BThk, k_BThk, v_BTHv)], dim=-1)
-        w_FK = torch.cat([w.flatten(0, 1) for w in conv_weights])
-        q_BTF, k_BTF, v_BTF = F.silu(causal_conv1d(qkv_BTF, w_FK, doc_ids_BT)).split([h * dk, h * dk, H * dv], dim=-1)
+        w_FW = torch.cat([w.flatten(0, 1) for w in conv_weights])
+        q_BTF, k_BTF, v_BTF = F.silu(causal_conv1d(qkv_BTF, w_FW, doc_ids_BT)).split([h * dk, h * dk, H * dv], dim=-1)
         q_BThk, k_BThk, v_BTHv = q_BTF.reshape(B, T, h, dk), k_BTF.reshape(B, T, h, dk), v_BTF.reshape(B, T, H, dv)
         recurrent = T <= self.max_recurrent_len and not self.training and not torch.is_grad_enabled()
         rule = self.recurrent_delta_rule if recurrent else self.delta_rule

@@ -48,10 +48,10 @@ def mrope_streams(rotary_dim: int, mrope_section: list[int]) -> torch.Tensor:
     j % 3 == 2 and j < 3 * section_w, else to t; both halves of the rotary channels repeat that pattern.
     """
     j = torch.arange(rotary_dim // 2)
-    stream_R = torch.zeros_like(j)
-    stream_R[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    stream_R[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    return torch.cat((stream_R, stream_R))
+    stream = torch.zeros_like(j)  # per frequency: [r / 2]
+    stream[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+    stream[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    return torch.cat((stream, stream))
 
 
 def mrope_cos_sin(position_ids: torch.Tensor, args: Qwen3_5MoeArgs, dtype: torch.dtype

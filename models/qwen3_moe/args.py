@@ -19,8 +19,8 @@ class Qwen3MoeArgs(MoeArgs):
     def param_counts(self) -> tuple[int, int, int]:
         """(total, active per token, embedding) parameter counts."""
         D, L, E, K = self.hidden_size, self.num_hidden_layers, self.num_experts, self.num_experts_per_tok
-        hd, H, Hkv = self.head_dim, self.num_attention_heads, self.num_key_value_heads
-        attn = D * hd * (H + 2 * Hkv) + H * hd * D + 2 * hd
+        d, H, h = self.head_dim, self.num_attention_heads, self.num_key_value_heads
+        attn = D * d * (H + 2 * h) + H * d * D + 2 * d
         expert = 3 * D * self.moe_intermediate_size
         dense_per_layer = attn + E * D + 2 * D  # + router + two norms
         embed = self.vocab_size * D

@@ -27,9 +27,9 @@ class DecoderLayer(MoeDecoderLayer):
         self.mlp = SparseMoeBlock(args.hidden_size, args.num_experts, args.num_experts_per_tok,
                                   args.moe_intermediate_size, args.norm_topk_prob)
 
-    def mix(self, h_BTD: torch.Tensor, cos_BTd: torch.Tensor, sin_BTd: torch.Tensor,
+    def mix(self, h_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
             doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
-        return self.self_attn(h_BTD, cos_BTd, sin_BTd, doc_ids_BT)
+        return self.self_attn(h_BTD, cos_BTr, sin_BTr, doc_ids_BT)
 
 
 class Qwen3MoeModel(MoeDecoder):

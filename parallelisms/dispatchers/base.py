@@ -6,8 +6,8 @@ subclass decorated ``@register("<name>")`` (the package imports every module, so
 ``conf/dispatcher/<name>.yaml`` (``name: <name>`` under a one-line comment) so ``dispatcher=<name>`` composes.
 The tests check that the two sets agree.
 
-Letters: N tokens on this rank, K top-k, D hidden, I expert intermediate, E experts in all, P ep ranks,
-L = E / P local experts (ep rank p holds experts [p*L, (p+1)*L)).
+Letters as in DEVELOPERS.md: N tokens on this rank, E experts in all, P ep ranks, G = E / P local experts (ep rank
+p holds experts [p*G, (p+1)*G)).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Dispatcher(ABC):
                  weights_NK: torch.Tensor) -> torch.Tensor:
         """What ``GroupedExperts.forward`` calls, with the weights as the module holds them: DTensors of global
         shape [E, ...], Shard(0) on the ep mesh (so checkpoints and loaders see whole tensors). ``dispatch``
-        gets this rank's [L, ...] blocks; their gradients flow back into the DTensors."""
+        gets this rank's [G, ...] blocks; their gradients flow back into the DTensors."""
         return self.dispatch(local_weights(experts), x_ND, experts_NK, weights_NK)
 
     @abstractmethod
@@ -56,8 +56,8 @@ class Dispatcher(ABC):
                  weights_NK: torch.Tensor) -> torch.Tensor:
         """One MoE layer's routed expert computation on this rank's tokens.
 
-        experts     this rank's L experts as plain tensors: gate_up_proj [L, 2I, D], down_proj [L, D, I], and
-                    act_fn, the activation kernel; ``models.moe.compute_experts(experts, x_RD, counts_L)`` runs
+        experts     this rank's G experts as plain tensors: gate_up_proj [G, 2I, D], down_proj [G, D, I], and
+                    act_fn, the activation kernel; ``models.moe.compute_experts(experts, x_RD, counts_G)`` runs
                     them on rows sorted by local expert (or the dispatcher's own kernels do the same maths)
         x_ND        this rank's tokens [N, D]; N may be 0, and differs between ranks
         experts_NK  the global expert id of each token's K routed slots [N, K] (int64, distinct within a token)

@@ -1,15 +1,16 @@
 """``dedup``: token-level dispatch. Each token crosses to each ep rank at most once, however many of its K
 experts that rank holds; the rank runs them and sends back one row per token, already weighted and summed.
 
-Letters (and N, K, D, P, L as in ``common``): S rows sent, one per (destination rank, token) pair where the
-rank holds at least one of the token's experts, rank-major, token order within a rank; R rows received;
-T valid slots received (routed (token, k) slots whose expert is local), what ``fused`` receives as rows.
+Letters as in DEVELOPERS.md: S rows sent, one per (destination rank, token) pair where the rank holds at least
+one of the token's experts, rank-major, token order within a rank (s: one rank's block of them); R rows received;
+here also U, the valid slots received (routed (token, k) slots whose expert is local), what ``fused`` receives
+as rows.
 
 Per layer:
-source       routing per sent row: K local expert ids (sentinel L where slot k's expert sits elsewhere) and
+source       routing per sent row: K local expert ids (sentinel G where slot k's expert sits elsewhere) and
              K router weights (0 there); one count exchange (rows per rank, slots per (rank, local expert)),
              the one host sync; all-to-all x [S, D], weights [S, K] (autograd) and ids [S, K].
-destination  the T valid slots gathered in local-expert order, grouped GEMM, then each row's K slots
+destination  the U valid slots gathered in local-expert order, grouped GEMM, then each row's K slots
              weighted and summed (``kernels.permute.unpermute``; masked slots weigh 0); all-to-all back [R, D].
 source       the <= P rows of each token summed.
 sum_p sum_{k on p} w_k y_k = sum_k w_k y_k: eager's result up to summation order. Every map is a gather
@@ -39,8 +40,8 @@ def _sum_token_rows(rows_SD: torch.Tensor, token_S: torch.Tensor, send: list[int
     per block never adds two rows into one token at once: deterministic on CUDA, unlike one index_add_ over
     all S rows (racing atomics)."""
     out_ND = rows_SD.new_zeros(N, rows_SD.shape[1])
-    for token_B, rows_BD in zip(token_S.split(send), rows_SD.split(send)):
-        out_ND.index_add_(0, token_B, rows_BD)
+    for token_s, rows_sD in zip(token_S.split(send), rows_SD.split(send)):
+        out_ND.index_add_(0, token_s, rows_sD)
     return out_ND
 
 
@@ -74,21 +75,21 @@ class _SumTokenRows(torch.autograd.Function):
 
 
 class _SlotRows(torch.autograd.Function):
-    """x_RD -> x_TD: each received row copied to its valid slots, in local-expert order (slot_T: flat (row, k)
+    """x_RD -> x_UD: each received row copied to its valid slots, in local-expert order (slot_U: flat (row, k)
     slot of each). Backward sums each row's slot gradients (``gather_sum`` with 0/1 weights, since a masked slot
     repeats a valid one): no atomics."""
 
     @staticmethod
-    def forward(ctx, x_RD: torch.Tensor, slot_T: torch.Tensor, inv_RK: torch.Tensor,
+    def forward(ctx, x_RD: torch.Tensor, slot_U: torch.Tensor, inv_RK: torch.Tensor,
                 valid_RK: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(slot_T, inv_RK, valid_RK)
-        return x_RD.index_select(0, slot_T.div(inv_RK.shape[1], rounding_mode="floor"))
+        ctx.save_for_backward(slot_U, inv_RK, valid_RK)
+        return x_RD.index_select(0, slot_U.div(inv_RK.shape[1], rounding_mode="floor"))
 
     @staticmethod
-    def backward(ctx, grad_TD: torch.Tensor):
-        slot_T, inv_RK, valid_RK = ctx.saved_tensors
+    def backward(ctx, grad_UD: torch.Tensor):
+        slot_U, inv_RK, valid_RK = ctx.saved_tensors
         R, K = inv_RK.shape
-        return gather_sum(grad_TD, inv_RK.flatten(), R, K, valid_RK.to(grad_TD.dtype)), None, None, None
+        return gather_sum(grad_UD, inv_RK.flatten(), R, K, valid_RK.to(grad_UD.dtype)), None, None, None
 
 
 @register("dedup")
@@ -102,25 +103,25 @@ class DedupDispatcher(LocalOpsDispatcher):
     def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         N, K = experts_NK.shape
-        P, L = self.ep, self.num_local
+        P, G = self.ep, self.num_local
 
         # Source: one row per (rank, token) pair the token must reach. A stable sort of "not hit" puts the
         # pairs first, rank-major, tokens in order; how many there are is known after the count exchange.
-        rank_NK = experts_NK.div(L, rounding_mode="floor")
+        rank_NK = experts_NK.div(G, rounding_mode="floor")
         hit_PN = torch.zeros(P, N, dtype=torch.bool, device=x_ND.device).scatter_(0, rank_NK.T, True)
         order_PN = torch.argsort((~hit_PN).flatten().to(torch.int8), stable=True)  # flat p * N + n
         rows_P = hit_PN.sum(1)
         # Both counts in one exchange (one host sync): slots per (rank, local expert) as chunk 0, rows per
         # rank as chunk 1, carried in the count of the rank's first local expert.
         slots, rows = exchange_counts(torch.stack([expert_counts(experts_NK, self.num_experts),
-                                                   F.pad(rows_P[:, None], (0, L - 1)).flatten()]),
-                                      self.group, L)
-        S, T = sum(rows.send), sum(slots.counts_L)
+                                                   F.pad(rows_P[:, None], (0, G - 1)).flatten()]),
+                                      self.group, G)
+        S, U = sum(rows.send), sum(slots.counts_G)
         rank_S = torch.repeat_interleave(torch.arange(P, device=x_ND.device), rows_P, output_size=S)
         token_S = order_PN[:S] - rank_S * N
-        local_SK = experts_NK.index_select(0, token_S) - rank_S[:, None] * L
-        here_SK = (local_SK >= 0) & (local_SK < L)
-        ids_SK = torch.where(here_SK, local_SK, L)
+        local_SK = experts_NK.index_select(0, token_S) - rank_S[:, None] * G
+        here_SK = (local_SK >= 0) & (local_SK < G)
+        ids_SK = torch.where(here_SK, local_SK, G)
         # The other ranks' slots add nothing. Backward: each (n, k) gets its one gradient plus zeros, exact in
         # any order, so index_select's index_add backward stays deterministic here.
         w_SK = torch.where(here_SK, weights_NK.index_select(0, token_S), 0)
@@ -131,19 +132,19 @@ class DedupDispatcher(LocalOpsDispatcher):
         ids_RK = all_to_all_single(ids_SK, rows.recv, rows.send, self.group)
 
         # Destination: the valid slots by local expert (stable: source rank, token, k within an expert), the
-        # sentinel L last; the first T of them are the valid ones.
+        # sentinel G last; the first U of them are the valid ones.
         order_RK = torch.argsort(ids_RK.flatten(), stable=True)
-        slot_T = order_RK[:T]
+        slot_U = order_RK[:U]
         pos_RK = inverse_permutation(order_RK).view(-1, K)
-        valid_RK = pos_RK < T
+        valid_RK = pos_RK < U
         # A masked slot (weight 0) reads its own row's first valid slot, never another token's: a 0 * inf
         # can then only touch a token whose output is inf already.
         inv_RK = torch.where(valid_RK, pos_RK, pos_RK.amin(1, keepdim=True))
-        x_TD = _SlotRows.apply(x_RD, slot_T, inv_RK, valid_RK)
-        y_TD = self.ops.compute(experts, x_TD, slots)
+        x_UD = _SlotRows.apply(x_RD, slot_U, inv_RK, valid_RK)
+        y_UD = self.ops.compute(experts, x_UD, slots)
         # Pre-reduce each row's K slots with the router weights. Slots repeat rows, so no permutation; a masked
         # slot's weight gradient is the dot of the slot it repeats, and the source's torch.where drops it.
-        y_RD = unpermute(y_TD, w_RK, slot_T, inv_RK.flatten(), permutation=False)
+        y_RD = unpermute(y_UD, w_RK, slot_U, inv_RK.flatten(), permutation=False)
 
         y_SD = all_to_all_single_autograd(y_RD, rows.send, rows.recv, self.group)
         return _SumTokenRows.apply(y_SD, token_S, rows.send, N)

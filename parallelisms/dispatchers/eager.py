@@ -1,6 +1,6 @@
 """The reference EP dispatcher: plain torch ops and autograd-aware all-to-alls.
 
-Per MoE layer, on every rank of the ep group (letters in ``common``):
+Per MoE layer, on every rank of the ep group (letters as in DEVELOPERS.md):
 1. sort the routed rows by global expert id, which groups them by destination rank, then local expert;
 2. exchange the per-expert counts (all-to-all) so every rank knows its receive splits;
 3. all-to-all the rows; sort what arrived (grouped by source rank) by local expert;
@@ -28,8 +28,8 @@ class EagerDispatcher(Dispatcher):
         (splits,) = exchange_counts(send_counts_E[None], self.group, self.num_local)
 
         x_RD = all_to_all_single_autograd(x_ND[token_M], splits.recv, splits.send, self.group)
-        by_expert_R = expert_order(splits.recv_counts_dev_PL, x_RD.shape[0])
-        y_RD = compute_experts(experts, x_RD[by_expert_R], splits.recv_counts_dev_PL.sum(0))
+        by_expert_R = expert_order(splits.recv_counts_dev_PG, x_RD.shape[0])
+        y_RD = compute_experts(experts, x_RD[by_expert_R], splits.recv_counts_dev_PG.sum(0))
         y_RD = torch.empty_like(y_RD).index_copy(0, by_expert_R, y_RD)  # back to arrival order
 
         y_MD = all_to_all_single_autograd(y_RD, splits.send, splits.recv, self.group)

@@ -35,7 +35,7 @@ class LocalOps:
     def compute(self, local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
         """Rows sorted by local expert -> expert outputs, same order (the host counts: a kernel that needs them
         there takes no sync)."""
-        return compute_experts(local, x_RD, splits.recv_counts_dev_PL.sum(0), splits.counts_L)
+        return compute_experts(local, x_RD, splits.recv_counts_dev_PG.sum(0), splits.counts_G)
 
 
 class LocalOpsDispatcher(Dispatcher):
@@ -48,7 +48,7 @@ class LocalOpsDispatcher(Dispatcher):
 
 def run_local_experts(ops: LocalOps, local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
     """Rows as they arrived (by source rank, then local expert) -> expert outputs in the same order."""
-    by_expert_R = expert_order(splits.recv_counts_dev_PL, x_RD.shape[0])
+    by_expert_R = expert_order(splits.recv_counts_dev_PG, x_RD.shape[0])
     arrival_R = inverse_permutation(by_expert_R)
     y_RD = ops.compute(local, permute_rows(x_RD, by_expert_R, arrival_R), splits)
     return permute_rows(y_RD, arrival_R, by_expert_R)

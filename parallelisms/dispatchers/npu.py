@@ -7,8 +7,8 @@ send_counts, recv_counts, *, trans_gmm_weight, permute_out_flag) -> (gmm_y, mm_y
 sort by local expert, grouped matmul); ``npu_gmm_alltoallv(gmm_x, gmm_weight, hcom, ep_world_size, send_counts,
 recv_counts, *, trans_gmm_weight) -> (y, mm_y)`` (grouped matmul, unsort, all-to-all). Counts are per (rank,
 local expert), rank-major, in the direction of that call. The MC2 ops have no autograd: the Functions below
-pair them as the FSDPTurbo seed does (each one's backward is the other op, plus a K-grouped matmul for the
-weights: ``kernels.npu_moe.weight_grad``).
+pair them as the FSDPTurbo seed does (each one's backward is the other op, plus a matmul grouped along its
+contraction dim for the weights: ``kernels.npu_moe.weight_grad``). Letters as in DEVELOPERS.md.
 """
 
 from __future__ import annotations
@@ -39,56 +39,56 @@ def hccl_comm_name(group: dist.ProcessGroup) -> str:
     return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
 
 
-def _zero_empty(grad_w: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
+def _zero_empty(grad_w: torch.Tensor, counts_G: list[int]) -> torch.Tensor:
     # MC2 cannot fall back per rank (it is a collective), so an expert without rows keeps MC2 and gets an
-    # explicit zero gradient instead of whatever a K-grouped matmul leaves for an empty group.
-    empty = [l for l, c in enumerate(counts_L) if c == 0]
+    # explicit zero gradient instead of whatever a contraction-grouped matmul leaves for an empty group.
+    empty = [g for g, c in enumerate(counts_G) if c == 0]
     if empty:
         grad_w[empty] = 0
     return grad_w
 
 
 class Mc2Dispatch(torch.autograd.Function):
-    """x_MD (global-expert order) -> all-to-all -> local-expert order -> @ w_LND^T: [R, N]."""
+    """x_MD (global-expert order) -> all-to-all -> local-expert order -> @ w_G2ID^T: [R, 2I]."""
 
     @staticmethod
-    def forward(ctx, x_MD, w_LND, hcom, splits) -> torch.Tensor:
+    def forward(ctx, x_MD, w_G2ID, hcom, splits) -> torch.Tensor:
         ep = len(splits.send)
-        y_RN, _, x_RD = torch_npu().npu_alltoallv_gmm(x_MD, w_LND, hcom, ep, splits.send_counts_E,
-                                                      splits.recv_counts_PL, trans_gmm_weight=True,
-                                                      permute_out_flag=True)
-        ctx.save_for_backward(w_LND, x_RD)
+        y_R2I, _, x_RD = torch_npu().npu_alltoallv_gmm(x_MD, w_G2ID, hcom, ep, splits.send_counts_E,
+                                                       splits.recv_counts_PG, trans_gmm_weight=True,
+                                                       permute_out_flag=True)
+        ctx.save_for_backward(w_G2ID, x_RD)
         ctx.meta = hcom, splits
-        return y_RN
+        return y_R2I
 
     @staticmethod
-    def backward(ctx, grad_RN):
-        w_LND, x_RD = ctx.saved_tensors
+    def backward(ctx, grad_R2I):
+        w_G2ID, x_RD = ctx.saved_tensors
         hcom, splits = ctx.meta
-        grad_RN = grad_RN.contiguous()
-        counts_L = splits.recv_counts_dev_PL.sum(0)
-        grad_MD, _ = torch_npu().npu_gmm_alltoallv(grad_RN, w_LND, hcom, len(splits.send), splits.recv_counts_PL,
-                                                   splits.send_counts_E)
-        return grad_MD, _zero_empty(weight_grad(grad_RN, x_RD, counts_L), splits.counts_L), None, None
+        grad_R2I = grad_R2I.contiguous()
+        counts_G = splits.recv_counts_dev_PG.sum(0)
+        grad_MD, _ = torch_npu().npu_gmm_alltoallv(grad_R2I, w_G2ID, hcom, len(splits.send),
+                                                   splits.recv_counts_PG, splits.send_counts_E)
+        return grad_MD, _zero_empty(weight_grad(grad_R2I, x_RD, counts_G), splits.counts_G), None, None
 
 
 class Mc2Combine(torch.autograd.Function):
-    """h_RI (local-expert order) @ w_LDI^T -> arrival order -> all-to-all back: [M, D] in global-expert order."""
+    """h_RI (local-expert order) @ w_GDI^T -> arrival order -> all-to-all back: [M, D] in global-expert order."""
 
     @staticmethod
-    def forward(ctx, h_RI, w_LDI, hcom, splits) -> torch.Tensor:
-        y_MD, _ = torch_npu().npu_gmm_alltoallv(h_RI, w_LDI, hcom, len(splits.send), splits.recv_counts_PL,
+    def forward(ctx, h_RI, w_GDI, hcom, splits) -> torch.Tensor:
+        y_MD, _ = torch_npu().npu_gmm_alltoallv(h_RI, w_GDI, hcom, len(splits.send), splits.recv_counts_PG,
                                                 splits.send_counts_E, trans_gmm_weight=True)
-        ctx.save_for_backward(h_RI, w_LDI)
+        ctx.save_for_backward(h_RI, w_GDI)
         ctx.meta = hcom, splits
         return y_MD
 
     @staticmethod
     def backward(ctx, grad_MD):
-        h_RI, w_LDI = ctx.saved_tensors
+        h_RI, w_GDI = ctx.saved_tensors
         hcom, splits = ctx.meta
-        grad_RI, _, grad_RD = torch_npu().npu_alltoallv_gmm(grad_MD.contiguous(), w_LDI, hcom, len(splits.send),
-                                                            splits.send_counts_E, splits.recv_counts_PL,
+        grad_RI, _, grad_RD = torch_npu().npu_alltoallv_gmm(grad_MD.contiguous(), w_GDI, hcom, len(splits.send),
+                                                            splits.send_counts_E, splits.recv_counts_PG,
                                                             permute_out_flag=True)
-        counts_L = splits.recv_counts_dev_PL.sum(0)
-        return grad_RI, _zero_empty(weight_grad(grad_RD, h_RI, counts_L), splits.counts_L), None, None
+        counts_G = splits.recv_counts_dev_PG.sum(0)
+        return grad_RI, _zero_empty(weight_grad(grad_RD, h_RI, counts_G), splits.counts_G), None, None
