@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,14 +281,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write beside ``path`` and rename: readers see the old file or the new one, never half of one."""
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` beside ``path``, then rename: readers see the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def _own_files(directory: Path, rank: int) -> list[Path]:
@@ -394,13 +398,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
                             ) -> None:
-    """Write to a temporary file beside ``path`` and rename: a crash never leaves a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """safetensors' ``save_file``, atomically (``atomic_write``)."""
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def save_model_weights(model: nn.Module, path: Path, is_writer: bool) -> None:
