@@ -55,27 +55,9 @@ def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
     return models.get_spec(m.model_type), args
 
 
-def shared_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims) -> Path:
-    """One run directory for all ranks: rank 0's choice, broadcast (each rank's Hydra clock may differ)."""
-    if cfg.train.output_dir is not None:
-        choice = cfg.train.output_dir
-    else:
-        from hydra.core.hydra_config import HydraConfig
-
-        choice = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "outputs/run"
-    if dims.world_size > 1:
-        box = [choice]
-        dist.broadcast_object_list(box, src=0)
-        choice = box[0]
-    run_dir = Path(choice)
-    if dims.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def on_rank0(dims: parallelisms.ParallelDims, decide: Callable[[], Any]) -> Any:
-    """``decide()`` on rank 0, its result (or its error) on every rank: one decision about the run directory,
-    taken before rank 0 writes into it (a lagging rank would otherwise see rank 0's new files)."""
+    """``decide()`` on rank 0, its result (or its error) on every rank: one decision about the run directory, taken
+    before rank 0 writes into it (a lagging rank would otherwise see rank 0's new files, or its own Hydra clock)."""
     box: list[Any] = [None]
     if dims.rank == 0:
         try:
@@ -88,6 +70,22 @@ def on_rank0(dims: parallelisms.ParallelDims, decide: Callable[[], Any]) -> Any:
     if not ok:
         raise value
     return value
+
+
+def shared_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims) -> Path:
+    """One run directory for all ranks: rank 0's choice (each rank's Hydra clock may differ)."""
+
+    def choose() -> str:
+        if cfg.train.output_dir is not None:
+            return cfg.train.output_dir
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "outputs/run"
+
+    run_dir = Path(on_rank0(dims, choose))
+    if dims.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
 
 
 def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], global_batch: int, allow: list[str],
