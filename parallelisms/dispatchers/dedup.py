@@ -28,9 +28,9 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 
 from kernels.permute import gather_sum, inverse_permutation, unpermute
 from models.moe import ExpertWeights, expert_counts
-from parallelisms.dispatchers.base import register
+from parallelisms.dispatchers import local_ops
+from parallelisms.dispatchers.base import Dispatcher, register
 from parallelisms.dispatchers.common import exchange_counts, group_device_type
-from parallelisms.dispatchers.local_ops import LocalOpsDispatcher
 
 NOT_ON_NPU = "dispatcher=dedup runs on CUDA/CPU; on NPU use fused or mc2"
 
@@ -93,7 +93,7 @@ class _SlotRows(torch.autograd.Function):
 
 
 @register("dedup")
-class DedupDispatcher(LocalOpsDispatcher):
+class DedupDispatcher(Dispatcher):
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         # torch_npu's permute / unpermute take a fixed K rows per token; the rows here have 1..K valid slots.
         if (device_type or group_device_type(group)) == "npu":
@@ -141,7 +141,7 @@ class DedupDispatcher(LocalOpsDispatcher):
         # can then only touch a token whose output is inf already.
         inv_RK = torch.where(valid_RK, pos_RK, pos_RK.amin(1, keepdim=True))
         x_UD = _SlotRows.apply(x_RD, slot_U, inv_RK, valid_RK)
-        y_UD = self.ops.compute(experts, x_UD, slots)
+        y_UD = local_ops.compute(experts, x_UD, slots)
         # Pre-reduce each row's K slots with the router weights. Slots repeat rows, so no permutation; a masked
         # slot's weight gradient is the dot of the slot it repeats, and the source's torch.where drops it.
         y_RD = unpermute(y_UD, w_RK, slot_U, inv_RK.flatten(), permutation=False)

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from models.moe import ExpertWeights
-from parallelisms.dispatchers.base import register
+from parallelisms.dispatchers import local_ops
+from parallelisms.dispatchers.base import Dispatcher, register
 from parallelisms.dispatchers.common import exchange_counts
-from parallelisms.dispatchers.local_ops import LocalOpsDispatcher, run_local_experts
 
 _all_to_all = torch.ops._c10d_functional.all_to_all_single
 _wait = torch.ops._c10d_functional.wait_tensor
@@ -79,19 +79,19 @@ class _InFlight:
 
 
 @register("domino")
-class DominoDispatcher(LocalOpsDispatcher):
+class DominoDispatcher(Dispatcher):
     def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         N = x_ND.shape[0]
         halves = [(N + 1) // 2, N // 2]  # by tokens; either may be empty, and splits stay collective-safe
-        permuted = [self.ops.permute(x, e, self.num_experts) for x, e in zip(x_ND.split(halves),
+        permuted = [local_ops.permute(x, e, self.num_experts) for x, e in zip(x_ND.split(halves),
                                                                               experts_NK.split(halves))]
         splits = exchange_counts(torch.stack([counts_E for _, counts_E, _ in permuted]), self.group, self.num_local)
 
         dispatched = [_InFlight(x_MD, s.recv, s.send, self.group) for (x_MD, _, _), s in zip(permuted, splits)]
         combined = []
         for flight, s in zip(dispatched, splits):
-            y_RD = run_local_experts(self.ops, experts, flight.wait(), s)  # overlaps the other half's dispatch
+            y_RD = local_ops.run_local_experts(experts, flight.wait(), s)  # overlaps the other half's dispatch
             combined.append(_InFlight(y_RD, s.send, s.recv, self.group))
-        return torch.cat([self.ops.unpermute(flight.wait(), w_NK, state) for flight, w_NK, (_, _, state)
+        return torch.cat([local_ops.unpermute(flight.wait(), w_NK, state) for flight, w_NK, (_, _, state)
                           in zip(combined, weights_NK.split(halves), permuted)])

@@ -14,18 +14,18 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from models.moe import ExpertWeights
-from parallelisms.dispatchers.base import register
+from parallelisms.dispatchers import local_ops
+from parallelisms.dispatchers.base import Dispatcher, register
 from parallelisms.dispatchers.common import exchange_counts
-from parallelisms.dispatchers.local_ops import LocalOpsDispatcher, run_local_experts
 
 
 @register("fused")
-class FusedDispatcher(LocalOpsDispatcher):
+class FusedDispatcher(Dispatcher):
     def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
-        x_MD, send_counts_E, state = self.ops.permute(x_ND, experts_NK, self.num_experts)
+        x_MD, send_counts_E, state = local_ops.permute(x_ND, experts_NK, self.num_experts)
         (splits,) = exchange_counts(send_counts_E[None], self.group, self.num_local)
         x_RD = all_to_all_single_autograd(x_MD, splits.recv, splits.send, self.group)
-        y_RD = run_local_experts(self.ops, experts, x_RD, splits)
+        y_RD = local_ops.run_local_experts(experts, x_RD, splits)
         y_MD = all_to_all_single_autograd(y_RD, splits.send, splits.recv, self.group)
-        return self.ops.unpermute(y_MD, weights_NK, state)
+        return local_ops.unpermute(y_MD, weights_NK, state)

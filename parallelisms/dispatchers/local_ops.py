@@ -1,6 +1,6 @@
 """The local halves of a dispatch: permute the routed rows into expert order, run this rank's experts on what
 arrived, unpermute with the router weights. ``fused``, ``domino`` and ``mc2`` share them; ``dedup`` uses
-``LocalOps.compute``.
+``compute``.
 
 Only kernel calls, none chosen here: ``kernels.permute.moe_token_permute`` / ``moe_token_unpermute`` (the gathers
 of ``kernels.permute``, or torch_npu's fused permute / unpermute on NPU) and ``models.moe.compute_experts``
@@ -14,41 +14,31 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kernels.permute import inverse_permutation, moe_token_permute, moe_token_unpermute, permute_rows
 from models.moe import ExpertWeights, compute_experts, expert_counts
-from parallelisms.dispatchers.base import Dispatcher
 from parallelisms.dispatchers.common import Splits, expert_order
 
 
-class LocalOps:
-    def permute(self, x_ND: torch.Tensor, experts_NK: torch.Tensor,
-                num_experts: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """-> (x_MD in global-expert order, rows per global expert [E], state for ``unpermute``)."""
-        x_MD, state = moe_token_permute(x_ND, experts_NK)
-        return x_MD, expert_counts(experts_NK, num_experts), state
-
-    def unpermute(self, y_MD: torch.Tensor, weights_NK: torch.Tensor, state: Any) -> torch.Tensor:
-        return moe_token_unpermute(y_MD, weights_NK, state)
-
-    def compute(self, local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
-        """Rows sorted by local expert -> expert outputs, same order (the host counts: a kernel that needs them
-        there takes no sync)."""
-        return compute_experts(local, x_RD, splits.recv_counts_dev_PG.sum(0), splits.counts_G)
+def permute(x_ND: torch.Tensor, experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """-> (x_MD in global-expert order, rows per global expert [E], state for ``unpermute``)."""
+    x_MD, state = moe_token_permute(x_ND, experts_NK)
+    return x_MD, expert_counts(experts_NK, num_experts), state
 
 
-class LocalOpsDispatcher(Dispatcher):
-    """An EP dispatcher whose local permute / expert ops are ``LocalOps``' kernel calls (fused, domino, dedup)."""
-
-    def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
-        super().__init__(group, num_experts, device_type)
-        self.ops = LocalOps()
+def unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, state: Any) -> torch.Tensor:
+    return moe_token_unpermute(y_MD, weights_NK, state)
 
 
-def run_local_experts(ops: LocalOps, local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
+def compute(local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
+    """Rows sorted by local expert -> expert outputs, same order (the host counts: a kernel that needs them there
+    takes no sync)."""
+    return compute_experts(local, x_RD, splits.recv_counts_dev_PG.sum(0), splits.counts_G)
+
+
+def run_local_experts(local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
     """Rows as they arrived (by source rank, then local expert) -> expert outputs in the same order."""
     by_expert_R = expert_order(splits.recv_counts_dev_PG, x_RD.shape[0])
     arrival_R = inverse_permutation(by_expert_R)
-    y_RD = ops.compute(local, permute_rows(x_RD, by_expert_R, arrival_R), splits)
+    y_RD = compute(local, permute_rows(x_RD, by_expert_R, arrival_R), splits)
     return permute_rows(y_RD, arrival_R, by_expert_R)

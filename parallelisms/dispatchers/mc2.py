@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 from models.moe import ExpertWeights
-from parallelisms.dispatchers import npu
+from parallelisms.dispatchers import local_ops, npu
 from parallelisms.dispatchers.base import Dispatcher, register
 from parallelisms.dispatchers.common import exchange_counts
-from parallelisms.dispatchers.local_ops import LocalOps
 
 MC2_DTYPES = (torch.bfloat16, torch.float16)
 NEEDS_NPU = "dispatcher=mc2 needs an Ascend NPU with torch_npu (MC2 ops); use eager/fused/domino/dedup elsewhere"
@@ -30,7 +29,6 @@ class Mc2Dispatcher(Dispatcher):
         super().__init__(group, num_experts, device_type)
         if self.device_type != "npu" or not npu.has_mc2():
             raise RuntimeError(NEEDS_NPU)
-        self.ops = LocalOps()  # the registry puts torch_npu's permute / unpermute there on NPU
         self.hcom = npu.hccl_comm_name(group)
 
     def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
@@ -38,9 +36,9 @@ class Mc2Dispatcher(Dispatcher):
         if x_ND.dtype not in MC2_DTYPES:
             raise RuntimeError(f"dispatcher=mc2: MC2 ops take bf16/fp16 activations, got {x_ND.dtype}; "
                                "train with train.mixed_precision=bf16 or use dispatcher=fused")
-        x_MD, send_counts_E, state = self.ops.permute(x_ND, experts_NK, self.num_experts)
+        x_MD, send_counts_E, state = local_ops.permute(x_ND, experts_NK, self.num_experts)
         (splits,) = exchange_counts(send_counts_E[None], self.group, self.num_local)
         gate_up_R2I = npu.Mc2Dispatch.apply(x_MD, experts.gate_up_proj.to(x_MD.dtype), self.hcom, splits)
         h_RI = experts.act_fn(gate_up_R2I)  # the packed_swiglu kernel slot: torch_npu's npu_swiglu on NPU
         y_MD = npu.Mc2Combine.apply(h_RI, experts.down_proj.to(h_RI.dtype), self.hcom, splits)
-        return self.ops.unpermute(y_MD, weights_NK, state)
+        return local_ops.unpermute(y_MD, weights_NK, state)
