@@ -1,5 +1,6 @@
-"""scripts/compare_runs.py: the summary table from metrics.jsonl, the loss correlation against numpy's, the
-plot, and clear errors for runs that cannot be compared; then on two real (tiny) training runs."""
+"""scripts/compare_runs.py: the summary table from metrics.jsonl, the loss correlation against numpy's, labels
+from the config keys that differ, the plot's panels, and clear errors for runs that cannot be compared; then on
+real (tiny) training runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 import train
 from scripts import compare_runs
@@ -19,16 +21,25 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def write_run(run_dir: Path, steps: range, loss, tps: float = 100.0, mfu: float | None = None,
-              dispatcher: str | None = "eager") -> Path:
-    """A run directory as the trainer writes it: metrics.jsonl (+ config.yaml unless dispatcher is None)."""
+              dispatcher: str | None = "eager", **keys) -> Path:
+    """A run directory as the trainer writes it: metrics.jsonl, and config.yaml unless dispatcher is None, with
+    its own train.output_dir and any dotted ``keys`` (``parallel__ep_size=2`` sets parallel.ep_size)."""
     run_dir.mkdir(parents=True)
-    lines = [{"step": s, "loss": loss(s), "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 2 * (tps + s),
+    lines = [{"step": s, "loss": loss(s), "grad_norm": 1.0 + 0.1 * s, "lr": 1e-3, "tokens_per_s": 2 * (tps + s),
               "tokens_per_s_per_device": tps + s, "mfu": None if mfu is None else mfu * s,
               "peak_mem_gib": 1.0 + 0.01 * s} for s in steps]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if dispatcher is not None:
-        (run_dir / "config.yaml").write_text(
-            f"model:\n  name: qwen3_moe_debug\nparallel:\n  name: ep2\ndispatcher:\n  name: {dispatcher}\n")
+        config = {"model": {"name": "qwen3_moe_debug", "model_type": "qwen3_moe", "arch": {"num_hidden_layers": 2}},
+                  "parallel": {"name": "ep2", "ep_size": 2}, "dispatcher": {"name": dispatcher},
+                  "optim": {"lr": 1e-3, "betas": [0.9, 0.95]}, "train": {"output_dir": str(run_dir), "seed": 0}}
+        for dotted, value in keys.items():
+            *groups, leaf = dotted.split("__")
+            node = config
+            for group in groups:
+                node = node.setdefault(group, {})
+            node[leaf] = value
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return run_dir
 
 
@@ -62,13 +73,16 @@ def two_runs(tmp_path: Path) -> tuple[Path, Path]:
 def test_summary_table_holds_each_runs_numbers(two_runs, tmp_path):
     summary = compare_runs.compare(list(two_runs), tmp_path / "out", warmup=3)
     rows = {row[0]: row for row in table_rows(summary, "| run |")}
-    assert set(rows) == {"eager/ep2/qwen3_moe_debug", "fused/ep2/qwen3_moe_debug"}
-    # run | dir | steps | tokens/s/device | MFU | peak mem | final loss; means over the steps after the first 3.
-    a = rows["eager/ep2/qwen3_moe_debug"]
+    assert set(rows) == {"dispatcher.name=eager", "dispatcher.name=fused"}
+    # run | dir | steps | tokens/s/device | MFU | peak mem | final loss | presets; means after the first 3 steps.
+    a = rows["dispatcher.name=eager"]
     assert a[1:] == [str(two_runs[0]), "10", f"{np.mean([100.0 + s for s in range(4, 11)]):,.1f}",
-                     f"{100 * np.mean([0.01 * s for s in range(4, 11)]):.2f}%", "1.10", f"{loss_a(10):.4f}"]
-    b = rows["fused/ep2/qwen3_moe_debug"]
-    assert b[2:] == ["12", f"{np.mean([200.0 + s for s in range(6, 13)]):,.1f}", "n/a", "1.12", f"{loss_b(12):.4f}"]
+                     f"{100 * np.mean([0.01 * s for s in range(4, 11)]):.2f}%", "1.10", f"{loss_a(10):.4f}",
+                     "eager/ep2/qwen3_moe_debug"]
+    b = rows["dispatcher.name=fused"]
+    assert b[2:] == ["12", f"{np.mean([200.0 + s for s in range(6, 13)]):,.1f}", "n/a", "1.12", f"{loss_b(12):.4f}",
+                     "fused/ep2/qwen3_moe_debug"]
+    assert "Config keys that differ between the runs: dispatcher.name." in summary
 
 
 def test_loss_correlation_matches_numpy_over_common_steps(two_runs, tmp_path):
@@ -76,7 +90,7 @@ def test_loss_correlation_matches_numpy_over_common_steps(two_runs, tmp_path):
     [pair] = table_rows(summary, "| run A |")
     common = range(3, 11)
     expected = np.corrcoef([loss_a(s) for s in common], [loss_b(s) for s in common])[0, 1]
-    assert pair[:3] == ["eager/ep2/qwen3_moe_debug", "fused/ep2/qwen3_moe_debug", str(len(common))]
+    assert pair[:3] == ["dispatcher.name=eager", "dispatcher.name=fused", str(len(common))]
     assert float(pair[3]) == pytest.approx(expected, abs=5e-5)  # printed to 4 decimals
     assert float(pair[4]) == pytest.approx(max(abs(loss_a(s) - loss_b(s)) for s in common), rel=1e-3)
     runs = compare_runs.load_runs(list(two_runs))
@@ -92,12 +106,86 @@ def test_cli_writes_summary_and_png_and_prints_the_summary(two_runs, tmp_path):
     assert (out / "loss.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def legend(runs: list) -> list[str]:
+    fig = compare_runs.make_figure(runs)
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return texts
+
+
+def test_the_legend_names_exactly_the_keys_that_differ(tmp_path):
+    # Keys that differ but do not matter (output dir, resume, logging, checkpoints) are left out.
+    common = range(1, 6)
+    a = write_run(tmp_path / "a", common, loss_a, train__resume="none", logging__wandb=False, checkpoint__interval=0)
+    b = write_run(tmp_path / "b", common, loss_a, dispatcher="fused", train__resume="auto", logging__wandb=True)
+    c = write_run(tmp_path / "c", common, loss_b, dispatcher="fused", parallel__ep_size=4, checkpoint__interval=5)
+    assert legend(compare_runs.load_runs([a, b])) == ["dispatcher.name=eager", "dispatcher.name=fused"]
+    assert legend(compare_runs.load_runs([a, b, c])) == [
+        "dispatcher.name=eager, parallel.ep_size=2", "dispatcher.name=fused, parallel.ep_size=2",
+        "dispatcher.name=fused, parallel.ep_size=4"]
+    assert legend(compare_runs.load_runs([b, c])) == ["parallel.ep_size=2", "parallel.ep_size=4"]
+    # A list value, a key only one run has, a long value kept by its end.
+    d = write_run(tmp_path / "d", common, loss_a, optim__betas=[0.9, 0.99], data__path="/data/" + "x" * 40 + "/c.npy")
+    tail = "x" * (compare_runs.MAX_VALUE_CHARS - len(".../c.npy")) + "/c.npy"
+    assert legend(compare_runs.load_runs([a, d])) == [
+        "data.path=unset, optim.betas=[0.9, 0.95]", f"data.path=...{tail}, optim.betas=[0.9, 0.99]"]
+
+
+def test_a_different_model_hides_its_architecture_keys(tmp_path):
+    a = write_run(tmp_path / "a", range(1, 5), loss_a)
+    b = write_run(tmp_path / "b", range(1, 5), loss_b, model__name="qwen35_moe_debug", model__model_type="qwen3_5_moe",
+                  model__arch={"num_hidden_layers": 4})
+    c = write_run(tmp_path / "c", range(1, 5), loss_b, model__arch={"num_hidden_layers": 4})
+    assert [r.label for r in compare_runs.load_runs([a, b])] == ["model.name=qwen3_moe_debug",
+                                                                  "model.name=qwen35_moe_debug"]
+    assert [r.label for r in compare_runs.load_runs([a, c])] == ["model.arch.num_hidden_layers=2",
+                                                                  "model.arch.num_hidden_layers=4"]
+
+
 def test_labels_fall_back_to_the_directory_and_stay_distinct(tmp_path):
     plain = write_run(tmp_path / "plain", range(1, 5), loss_a, dispatcher=None)
     x = write_run(tmp_path / "x", range(1, 5), loss_a)
     y = write_run(tmp_path / "y", range(1, 5), loss_b)
-    labels = [run.label for run in compare_runs.load_runs([plain, x, y])]
-    assert labels == ["plain", "eager/ep2/qwen3_moe_debug (x)", "eager/ep2/qwen3_moe_debug (y)"]
+    assert [run.label for run in compare_runs.load_runs([plain, x, y])] == ["plain", "x", "y"]  # nothing differs
+    # The same directory name under two parents: the parent tells them apart.
+    first = write_run(tmp_path / "2026-11-30" / "12-00-00", range(1, 5), loss_a)
+    second = write_run(tmp_path / "2026-12-01" / "12-00-00", range(1, 5), loss_a, train__seed=1)
+    third = write_run(tmp_path / "2026-12-02" / "12-00-00", range(1, 5), loss_a)
+    assert [run.label for run in compare_runs.load_runs([first, second, third])] == [
+        "train.seed=0 (2026-11-30/12-00-00)", "train.seed=1", "train.seed=0 (2026-12-02/12-00-00)"]
+
+
+def test_too_many_differing_keys_label_by_directory_and_the_summary_lists_them(tmp_path):
+    keys = {"optim__lr": 3e-3, "optim__eps": 1e-6, "train__seed": 3, "parallel__ep_size": 4, "dispatcher": "fused"}
+    a = write_run(tmp_path / "a", range(1, 5), loss_a)
+    b = write_run(tmp_path / "b", range(1, 5), loss_b, **keys)
+    summary = compare_runs.compare([a, b], tmp_path / "out")
+    assert [row[0] for row in table_rows(summary, "| run |")] == ["a", "b"]
+    assert ("Config keys that differ between the runs (too many for labels: runs are named by directory): "
+            "dispatcher.name, optim.eps, optim.lr, parallel.ep_size, train.seed.") in summary
+
+
+def test_the_plot_has_loss_difference_throughput_and_grad_norm_panels(two_runs, tmp_path):
+    runs = compare_runs.load_runs(list(two_runs))
+    import matplotlib.pyplot as plt
+
+    fig = compare_runs.make_figure(runs)
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert list(panels) == ["loss", "loss difference from the first run", "tokens/s/device", "grad norm"]
+    [_, line_b] = panels["tokens/s/device"].get_lines()
+    assert list(line_b.get_xdata()) == list(range(3, 13))
+    assert list(line_b.get_ydata()) == [200.0 + s for s in range(3, 13)]
+    assert list(panels["grad norm"].get_lines()[0].get_ydata()) == pytest.approx([1.0 + 0.1 * s for s in range(1, 11)])
+    [diff] = panels["loss difference from the first run"].get_lines()[:1]
+    assert list(diff.get_xdata()) == list(range(3, 11))
+    assert list(diff.get_ydata()) == pytest.approx([loss_b(s) - loss_a(s) for s in range(3, 11)])
+    plt.close(fig)
+    # One run: no difference panel.
+    fig = compare_runs.make_figure(runs[:1])
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "tokens/s/device", "grad norm"]
+    plt.close(fig)
 
 
 def test_a_run_with_no_more_steps_than_the_warmup_is_averaged_over_all(tmp_path):
@@ -105,7 +193,7 @@ def test_a_run_with_no_more_steps_than_the_warmup_is_averaged_over_all(tmp_path)
     summary = compare_runs.compare([short], tmp_path / "out", warmup=3)
     [row] = table_rows(summary, "| run |")
     assert row[3] == f"{np.mean([51.0, 52.0]):,.1f}"
-    assert "Averaged over every step (no more than 3 logged): eager/ep2/qwen3_moe_debug." in summary
+    assert "Averaged over every step (no more than 3 logged): short." in summary
 
 
 @pytest.mark.parametrize("case, message", [
@@ -142,10 +230,23 @@ def test_real_runs_same_seed_agree_and_another_seed_does_not(tiny_run_config, tm
         dirs.append(tmp_path / name)
     summary = compare_runs.compare(dirs, tmp_path / "out", warmup=2)
     rows = table_rows(summary, "| run |")
-    assert [row[0] for row in rows] == [f"eager/single/qwen3_moe_debug ({d.name})" for d in dirs]
-    assert all(row[2] == "8" and row[4] == "n/a" for row in rows)  # 8 steps; MFU not measured on CPU
-    pairs = {(p[0].split("(")[1][:-1], p[1].split("(")[1][:-1]): p for p in table_rows(summary, "| run A |")}
+    # Only the seed tells them apart (output_dir is ignored); two runs of seed 0: their directories too.
+    labels = ["train.seed=0 (first)", "train.seed=0 (again)", "train.seed=1"]
+    assert [row[0] for row in rows] == labels
+    assert all(row[2] == "8" and row[4] == "n/a" and row[7] == "eager/single/qwen3_moe_debug" for row in rows)
+    pairs = {(p[0], p[1]): p for p in table_rows(summary, "| run A |")}  # 8 steps; MFU not measured on CPU
     # Same seed, same process: the same curve (deterministic CPU kernels), so r = 1 and no difference.
-    assert pairs[("first", "again")][3:] == ["1.0000", "0"]
-    assert float(pairs[("first", "seed1")][4]) > 0
+    assert pairs[(labels[0], labels[1])][3:] == ["1.0000", "0"]
+    assert float(pairs[(labels[0], labels[2])][4]) > 0
     assert (tmp_path / "out" / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_skipped_step_with_a_null_loss_is_left_out_of_the_comparison(tmp_path):
+    a = write_run(tmp_path / "a", range(1, 8), loss_a)
+    b = write_run(tmp_path / "b", range(1, 8), lambda s: None if s in (4, 7) else loss_b(s), dispatcher="fused")
+    summary = compare_runs.compare([a, b], tmp_path / "out")
+    [pair] = table_rows(summary, "| run A |")
+    steps = [1, 2, 3, 5, 6]
+    assert pair[2] == "5" and float(pair[3]) == pytest.approx(
+        np.corrcoef([loss_a(s) for s in steps], [loss_b(s) for s in steps])[0, 1], abs=5e-5)
+    assert table_rows(summary, "| run |")[1][6] == f"{loss_b(6):.4f}"  # the last finite loss
