@@ -1,2 +1,2 @@
-"""The bottom layer, importable from every other: the device module (``device``) and shared constants
-(``constants``). Imports nothing of the project."""
+"""The bottom layer, importable from every other: the device module (``device``), shared constants
+(``constants``) and the streaming safetensors writer (``safetensors_stream``). Imports nothing of the project."""

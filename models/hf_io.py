@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from core.safetensors_stream import TensorLayout, stream_gathered, write_safetensors
 from models import ModelSpec, build_args, get_spec
 from models.init import local_box
 
@@ -286,49 +286,77 @@ def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------------------------- export
 
 
-def _disk_tensors(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict in on-disk names, fused experts split per expert (views: no copies yet)."""
+@dataclass(frozen=True)
+class _DiskTensor:
+    """One on-disk tensor of an export: ``full[index]`` of our tensor ``source`` (a contiguous view of it)."""
+
+    name: str
+    source: str
+    index: tuple[int | slice, ...]
+    shape: tuple[int, ...]
+
+
+def _disk_tensors(spec: ModelSpec, shapes: Mapping[str, Sequence[int]]) -> list[_DiskTensor]:
+    """Our tensors (global shapes) in on-disk names, fused experts split per expert, in the order they are
+    written: our names sorted, each one's experts (and parts) in turn, so one tensor of ours at a time."""
     fused_re = re.compile(rf"^({_experts_module_re(spec)})\.({'|'.join(map(re.escape, EXPERT_WEIGHTS))})$")
-    out = {}
-    for name in sorted(state):
+    out = []
+    for name in sorted(shapes):
+        shape = tuple(shapes[name])
         match = fused_re.match(name)
         if match is None:
-            out[_to_disk(spec, name)] = state[name]
+            out.append(_DiskTensor(_to_disk(spec, name), name, (), shape))
             continue
         parts = EXPERT_WEIGHTS[match[2]]
-        for j, w_expert in enumerate(state[name]):  # [parts x rows of one part, cols]
-            for part, w_part in zip(parts, w_expert.chunk(len(parts), dim=0)):
-                out[_to_disk(spec, f"{match[1]}.{j}.{part}")] = w_part
+        num_experts, rows, cols = shape  # rows: the parts' rows concatenated
+        part_rows = rows // len(parts)
+        for j in range(num_experts):
+            for i, part in enumerate(parts):
+                out.append(_DiskTensor(_to_disk(spec, f"{match[1]}.{j}.{part}"), name,
+                                       (j, slice(i * part_rows, (i + 1) * part_rows)), (part_rows, cols)))
     return out
 
 
-def _plan_shards(tensors: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[str]]:
-    """Consecutive names packed greedily into shards of at most max_shard_bytes (a bigger tensor alone)."""
-    shards: list[list[str]] = [[]]
+def _plan_shards(tensors: list[_DiskTensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[_DiskTensor]]:
+    """Consecutive tensors packed greedily into shards of at most max_shard_bytes (a bigger tensor alone)."""
+    shards: list[list[_DiskTensor]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * dtype.itemsize
+    for t in tensors:
+        nbytes = TensorLayout(t.shape, dtype).nbytes
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
+        shards[-1].append(t)
         size += nbytes
     return shards
 
 
-def _write_checkpoint(out_dir: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                      max_shard_bytes: int) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index when over max_shard_bytes."""
+def _disk_views(tensors: list[_DiskTensor], sources: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The on-disk tensors in order, as views of our full tensors, taken from ``sources`` (one per distinct
+    ``source``, in order) when the first view of each is needed; the previous one is dropped then."""
+    source, full = None, None
+    for t in tensors:
+        if t.source != source:
+            source, full = t.source, None  # the previous one is not held while the next is gathered
+            full = next(sources)
+        yield full[t.index]
+
+
+def _write_checkpoint(out_dir: Path, tensors: list[_DiskTensor], dtype: torch.dtype, max_shard_bytes: int,
+                      sources: Iterator[torch.Tensor]) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when over max_shard_bytes, streamed:
+    ``sources`` yields our full tensors in ``dtype``, one per distinct source of ``tensors`` in order, each
+    written out (across a shard boundary if need be) before the next is taken."""
     shards = _plan_shards(tensors, dtype, max_shard_bytes)
     files = ([SAFETENSORS] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for file, names in zip(files, shards):
-        # Own contiguous copies: safetensors refuses tensors that share storage (our per-expert views do).
-        shard = {n: tensors[n].to(dtype=dtype, memory_format=torch.contiguous_format, copy=True) for n in names}
-        save_file(shard, out_dir / file, metadata={"format": "pt"})
+    views = _disk_views(tensors, sources)
+    for file, shard in zip(files, shards):
+        layouts = {t.name: TensorLayout(t.shape, dtype) for t in shard}
+        write_safetensors(out_dir / file, layouts, views, metadata={"format": "pt"})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * dtype.itemsize for t in tensors.values())},
-                 "weight_map": {n: file for file, names in zip(files, shards) for n in names}}
+        index = {"metadata": {"total_size": sum(TensorLayout(t.shape, dtype).nbytes for t in tensors)},
+                 "weight_map": {t.name: file for file, shard in zip(files, shards) for t in shard}}
         (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -351,37 +379,53 @@ def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
         os.rename(tmp, out_dir)
 
 
-def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str, args: Any,
-                         out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                         dtype: torch.dtype | None = None) -> None:
-    """Write full tensors in our names as a directory ``transformers.AutoModelForCausalLM.from_pretrained``
-    loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
-    it (default: keep the state dict's)."""
+def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_dir: str | os.PathLike,
+            max_shard_bytes: int, dtype: torch.dtype, extra_files: Callable[[Path], None] | None,
+            values: Iterator[torch.Tensor]) -> None:
+    """The export of ``state`` (full tensors or DTensors: only its names and global shapes are read), whose
+    values stream from ``values``: its full tensors in ``dtype``, one at a time, in sorted-name order."""
     spec = get_spec(model_type)
     spec = get_spec(spec.hf_export_type) if spec.hf_export_type else spec
     with torch.device("meta"):
-        check_state_dict(spec.model_cls(args), state_dict)
-    dtype = dtype or next(iter(state_dict.values())).dtype
+        check_state_dict(spec.model_cls(args), state)
     config = {"architectures": [spec.hf_architecture], "model_type": spec.model_type,
               **_hf_names(spec).config_from_arch(args), "torch_dtype": str(dtype).removeprefix("torch.")}
-    tensors = _disk_tensors(spec, state_dict)
+    tensors = _disk_tensors(spec, {name: t.shape for name, t in state.items()})  # the sources in sorted order
 
     def write(tmp: Path) -> None:
-        _write_checkpoint(tmp, tensors, dtype, max_shard_bytes)
+        _write_checkpoint(tmp, tensors, dtype, max_shard_bytes, values)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if extra_files is not None:
+            extra_files(tmp)
 
     _replace_dir(Path(out_dir), write)
 
 
+def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str, args: Any,
+                         out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                         dtype: torch.dtype | None = None, extra_files: Callable[[Path], None] | None = None) -> None:
+    """Write full tensors in our names as a directory ``transformers.AutoModelForCausalLM.from_pretrained``
+    loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
+    it (default: keep the state dict's), one tensor at a time. ``extra_files(tmp)``, if given, is called with
+    the temporary directory once the weights and config.json are in it, before it replaces ``out_dir``: it may
+    add files (the tokenizer's) or rewrite config.json."""
+    dtype = dtype or next(iter(state_dict.values())).dtype
+    _export(state_dict, model_type, args, out_dir, max_shard_bytes, dtype, extra_files,
+            (state_dict[name].to(dtype) for name in sorted(state_dict)))
+
+
 def export_hf(model: nn.Module, model_type: str, out_dir: str | os.PathLike, *,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
-    """``export_state_dict_hf`` of a live model. DTensor parameters are gathered one at a time, a collective:
-    with a sharded model call this on every rank; global rank 0 writes."""
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
+              extra_files: Callable[[Path], None] | None = None) -> None:
+    """``export_state_dict_hf`` of a live model (default dtype: its first parameter's). Collective with a
+    sharded model: every rank calls it; the parameters are gathered one at a time and global rank 0 streams
+    each into the files (``stream_gathered``): its host memory holds one tensor, the other ranks' none.
+    ``extra_files`` runs on rank 0 only."""
     writer = not dist.is_initialized() or dist.get_rank() == 0
-    state = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        if writer:
-            state[name] = full.detach().cpu()
-    if writer:
-        export_state_dict_hf(state, model_type, model.args, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    params = dict(model.named_parameters())  # a tied lm_head.weight is embed_tokens.weight: one name
+    dtype = dtype or next(iter(params.values())).dtype
+
+    def write(values: Iterator[torch.Tensor]) -> None:
+        _export(params, model_type, model.args, out_dir, max_shard_bytes, dtype, extra_files, values)
+
+    stream_gathered(params, sorted(params), write if writer else None, dtype=dtype)

@@ -1,6 +1,6 @@
 """Checkpoints: DCP for model + optimizer (resharding, so a run resumes on another layout), a JSON train state
 (step, schedule position, data position, RNG, the run's resolved config and a record of every file written),
-atomic directory renames, keep-last-N; and the final weights as one safetensors file.
+atomic directory renames, keep-last-N; and the final weights as one safetensors file, streamed a tensor at a time.
 
 Layout: ``<root>/step_00000012/`` holds DCP's files plus ``train_state.json``, written last. A directory is
 complete iff it has that file: saves go to ``<root>/.tmp-step_...`` and are renamed into place, so a crash
@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from safetensors.torch import save_file
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -46,6 +45,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+
+from core.safetensors_stream import layout_of, save_file_order, stream_gathered, write_safetensors
 
 logger = logging.getLogger("train")
 
@@ -384,25 +385,31 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         group.update(own)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a full CPU tensor. Collective under sharding: every rank must call it."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        out[name] = tensor.detach().to("cpu").contiguous()
+def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the final weights hold (our names, fused experts; DTensors not gathered): the state dict
+    without ``lm_head.weight`` when it is tied (safetensors refuses shared storage; it is embed_tokens.weight)."""
+    out = dict(model.state_dict())
     if getattr(getattr(model, "args", None), "tie_word_embeddings", False):
-        out.pop("lm_head.weight", None)  # safetensors refuses shared storage; it is embed_tokens.weight
+        out.pop("lm_head.weight", None)
     return out
 
 
-def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
-                            ) -> None:
-    """safetensors' ``save_file``, atomically (``atomic_write``)."""
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every saved tensor as a full CPU tensor, all at once (a whole model in host memory: for a model that
+    holds it anyway, as scripts/export_hf.py's). Collective under sharding: every rank must call it."""
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu").contiguous()
+            for name, t in saved_tensors(model).items()}
 
 
 def save_model_weights(model: nn.Module, path: Path, is_writer: bool) -> None:
-    tensors = full_state_dict(model)
-    if is_writer:
-        atomic_save_safetensors(tensors, path, metadata={"format": "pt"})
+    """Collective: the final weights as one safetensors file (``saved_tensors`` as full tensors, metadata
+    {"format": "pt"}: the bytes ``save_file(full_state_dict(model))`` would write), written atomically by the
+    writer. Parameters are gathered one at a time and streamed into the file (``stream_gathered``): the writer's
+    host memory holds one tensor, the other ranks' none, instead of the whole model on every rank."""
+    tensors = saved_tensors(model)
+    layouts = save_file_order({name: layout_of(t) for name, t in tensors.items()})
+
+    def write(host: Iterator[torch.Tensor]) -> None:
+        atomic_write(path, lambda tmp: write_safetensors(tmp, layouts, host, metadata={"format": "pt"}))
+
+    stream_gathered(tensors, layouts, write if is_writer else None)
