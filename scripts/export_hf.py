@@ -5,7 +5,11 @@
 Reads the final ``model.safetensors`` (our names, fused experts, full tensors) with the run's resolved
 ``config.yaml``, or a DCP checkpoint (``<run-dir>/checkpoints/step_N``, any layout it was saved with, verified
 against its file record) with the config recorded in it (``model.model_type``, ``model.arch``); writes what
-``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+``transformers.AutoModelForCausalLM.from_pretrained`` loads, with the run's tokenizer (``model.tokenizer``; the
+``data.tokenizer`` of older runs) as ``tokenizer.json``, ``tokenizer_config.json`` (chat template) and
+``generation_config.json``, so ``AutoTokenizer`` and ``pipeline("text-generation")`` work on it. A run without one
+of our tokenizers (``none``, or pre-tokenized ids of another vocabulary) exports weights and config.json only, and
+says so; ``--tokenizer`` overrides the recorded one.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from safetensors.torch import load_file  # noqa: E402
 from models import build_args, get_spec  # noqa: E402
 from models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_state_dict_hf  # noqa: E402
 from training.checkpoint import TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state  # noqa: E402
+from training.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
+from training.tokenizer import TOKENIZERS  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,19 +73,46 @@ def model_type_and_args(config: dict, source: str) -> tuple[str, object]:
     return model["model_type"], build_args(model["model_type"], model["arch"])
 
 
+def run_tokenizer(config: dict, vocab_size: int, override: str | None) -> tuple[str | None, str]:
+    """(the tokenizer to export or None, what was decided) for a run's recorded config (or ``override``)."""
+    model = config.get("model") or {}
+    name = override or model.get("tokenizer") or (config.get("data") or {}).get("tokenizer")  # older runs: data.*
+    if name == "auto":  # recorded unresolved: the tokenizer of model.init_from, if it is still there
+        init_from = model.get("init_from")
+        name = identify_hf_tokenizer(init_from) if init_from and Path(init_from).is_dir() else None
+        if name is None:
+            return None, f"model.tokenizer=auto and model.init_from={init_from} gives no tokenizer of ours"
+    if name in (None, "none"):
+        return None, "the run has no tokenizer of ours (model.tokenizer=none or unrecorded; see --tokenizer)"
+    if name not in TOKENIZERS:
+        raise ValueError(f"{name!r}, the run's tokenizer, is unknown: choose one with --tokenizer "
+                         f"({', '.join(TOKENIZERS)} or none)")
+    problem = tokenizer_mismatch(name, vocab_size)
+    if problem is not None and override:
+        raise ValueError(f"--tokenizer {override}: {problem}")
+    if problem is not None:
+        return None, f"{problem} (pre-tokenized ids of another vocabulary?)"
+    return name, f"with the {name} tokenizer"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="run directory, its model.safetensors, or a checkpoint directory")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: as saved)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    parser.add_argument("--tokenizer", choices=[*TOKENIZERS, "none"],
+                        help="the tokenizer files to write (default: the run's model.tokenizer)")
     opts = parser.parse_args(argv)
     weights, config, source = run_config(opts.checkpoint)
     model_type, args = model_type_and_args(config, source)
+    tokenizer, decided = run_tokenizer(config, args.vocab_size, opts.tokenizer)
     state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
-    export_state_dict_hf(state, model_type, args, opts.out_dir,
-                         max_shard_bytes=opts.max_shard_bytes, dtype=DTYPES.get(opts.dtype))
-    print(f"exported {weights} ({model_type}) to {opts.out_dir}")
+    export_state_dict_hf(state, model_type, args, opts.out_dir, max_shard_bytes=opts.max_shard_bytes,
+                         dtype=DTYPES.get(opts.dtype), extra_files=hf_tokenizer_files(tokenizer))
+    if tokenizer is None:
+        print(f"no tokenizer files written: {decided}; add that tokenizer's files to {opts.out_dir}")
+    print(f"exported {weights} ({model_type}) to {opts.out_dir}" + (f" {decided}" if tokenizer else ""))
 
 
 if __name__ == "__main__":

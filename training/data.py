@@ -29,10 +29,9 @@ import numpy as np
 import torch
 
 from core.constants import IGNORE_INDEX
-from training.tokenizer import CHAT_ROLES, QwenTokenizer
+from training.tokenizer import CHAT_ROLES, TOKENIZERS, QwenTokenizer
 
 _NAMES = ("chitchat", "jsonl", "tokens")
-_TOKENIZERS = ("qwen3", "qwen3_5")
 _CACHE_VERSION = 2  # bump when the rendering or the validation of documents changes (2: roles, field types)
 _JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
                bool: "a boolean", type(None): "null"}
@@ -46,7 +45,7 @@ class DataConfig:
     name: str = "chitchat"  # chitchat | jsonl | tokens
     path: str | None = None  # jsonl: .jsonl file; tokens: .npy or raw uint32 .bin; chitchat: dataset.json override
     seq_len: int = 256
-    tokenizer: str = "qwen3"  # qwen3 | qwen3_5 (ignored for tokens)
+    # The tokenizer is the model's (model.tokenizer): build_data_loader takes it from the caller.
     mask_non_assistant: bool = False  # chat data: loss only on assistant tokens
     cache_dir: str = ".cache/data"  # tokenized-corpus cache
     # Position ids restart at every document, so no token attends to (or DeltaNet carries state from) another
@@ -67,8 +66,6 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.name={cfg.name!r} is unknown; choose one of {', '.join(_NAMES)}")
     if not isinstance(cfg.seq_len, int) or cfg.seq_len <= 0:
         raise ValueError(f"data.seq_len={cfg.seq_len!r} must be a positive integer, e.g. data.seq_len=256")
-    if cfg.name != "tokens" and cfg.tokenizer not in _TOKENIZERS:
-        raise ValueError(f"data.tokenizer={cfg.tokenizer!r} is unknown; choose one of {', '.join(_TOKENIZERS)}")
     if cfg.name == "tokens" and cfg.mask_non_assistant:
         raise ValueError("data.mask_non_assistant=true needs chat data (data.name=jsonl or chitchat); "
                          "pre-tokenized data has no loss mask")
@@ -162,16 +159,17 @@ def _jsonl_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
             yield _text_doc(tok, row) if isinstance(row, str) else _chat_doc(tok, row)
 
 
-def _tokenized_stream(cfg: DataConfig, path: Path) -> np.ndarray:
-    """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache or tokenized and cached."""
+def _tokenized_stream(cfg: DataConfig, path: Path, tokenizer: str) -> np.ndarray:
+    """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache (keyed by the file's contents and the
+    tokenizer) or tokenized and cached."""
     with path.open("rb") as f:
         digest = hashlib.file_digest(f, "sha256")
-    digest.update(f"|v{_CACHE_VERSION}|{cfg.name}|{cfg.tokenizer}".encode())
-    cache = Path(cfg.cache_dir) / f"{cfg.name}-{cfg.tokenizer}-{digest.hexdigest()[:16]}.npy"
+    digest.update(f"|v{_CACHE_VERSION}|{cfg.name}|{tokenizer}".encode())
+    cache = Path(cfg.cache_dir) / f"{cfg.name}-{tokenizer}-{digest.hexdigest()[:16]}.npy"
     if cache.exists():
         return np.load(cache)
 
-    tok = QwenTokenizer(cfg.tokenizer)
+    tok = QwenTokenizer(tokenizer)
     docs = _chitchat_docs(path, tok) if cfg.name == "chitchat" else _jsonl_docs(path, tok)
     ids: list[int] = []
     mask: list[bool] = []
@@ -293,11 +291,14 @@ def _check_trained_tokens(cfg: DataConfig, path: Path, mask: np.ndarray) -> None
                          "would be trained; add assistant turns or set data.mask_non_assistant=false")
 
 
-def build_data_loader(
-    cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int
-) -> PackedLoader:
-    """Validate ``cfg``, load (tokenizing and caching on first use) the corpus, and return dp rank's loader."""
+def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int,
+                      tokenizer: str | None = "qwen3") -> PackedLoader:
+    """Validate ``cfg``, load (tokenizing with ``tokenizer``, the model's, and caching on first use) the corpus, and
+    return dp rank's loader. ``tokenizer`` (a training.tokenizer vocabulary) is unused by pre-tokenized data."""
     validate_data_config(cfg)
+    if cfg.name != "tokens" and tokenizer not in TOKENIZERS:
+        raise ValueError(f"data.name={cfg.name} tokenizes its text with the model's tokenizer, and model.tokenizer "
+                         f"gives {tokenizer!r}: choose one of {', '.join(TOKENIZERS)} (or pre-tokenized data=tokens)")
     if local_batch_size <= 0 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need local_batch_size > 0 and 0 <= dp_rank < dp_size, got "
                          f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
@@ -306,10 +307,10 @@ def build_data_loader(
         ids, mask = _load_tokens(path), None
         vocab_size, eos_id = int(ids.max()) + 1, cfg.eos_id
     else:
-        ids, mask = _tokenized_stream(cfg, path)
+        ids, mask = _tokenized_stream(cfg, path, tokenizer)
         _check_trained_tokens(cfg, path, mask)
         mask = mask if cfg.mask_non_assistant else None
-        tok = QwenTokenizer(cfg.tokenizer)
+        tok = QwenTokenizer(tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
     return PackedLoader(ids, mask, seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
                         local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,

