@@ -7,7 +7,9 @@ materialise (init or load) -> optimizer -> data -> loop -> final weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import gc
 import logging
 import math
@@ -31,11 +33,13 @@ from training.checkpoint import (atomic_write_text, load_checkpoint, read_train_
                                  save_checkpoint, save_model_weights, set_rng_state)
 from training.config import TrainConfig, check_resume_config, flat_config, register_schema, to_train_config, validate
 from training.data import build_data_loader, context_shard
+from training.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
 from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, aux_loss_share
 from training.metrics import MetricLogger, moe_metrics, progress_line, routing_summary
 from training.optim import build_optimizer, build_scheduler
 from training.profiling import StepProfiler
+from training.run_logs import run_logs
 
 logger = logging.getLogger("train")
 
@@ -97,10 +101,49 @@ def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], glob
         return
     saved_batch = state.get("global_batch_size")
     saved = flat_config(state["config"], saved_batch)
+    if "data.tokenizer" in saved:  # checkpoints before model.tokenizer: the key moved (pre-tokenized data: none)
+        tokenizer = saved.pop("data.tokenizer")
+        saved.setdefault("model.tokenizer", "none" if saved.get("data.name") == "tokens" else tokenizer)
     current = flat_config(run_config, global_batch if saved_batch is not None else None)
     for line in check_resume_config(saved, current, allow, str(source)):
         if log:
             logger.info("config differs from checkpoint %s: %s", source, line)
+
+
+def rerunnable_config(run_config: dict[str, Any]) -> str:
+    """The resolved config as a Hydra primary config: ``python train.py --config-path <abs run dir> --config-name
+    config`` trains the same run again (in a new train.output_dir, or continued with train.resume=auto)."""
+    hydra_section = OmegaConf.load(Path(__file__).parent / "conf" / "config.yaml").hydra
+    rerun = OmegaConf.create({"defaults": ["schema", "_self_"], **run_config, "hydra": hydra_section})
+    return ("# Re-run: python train.py --config-path <absolute path of this directory> --config-name config "
+            "[train.output_dir=<new dir> | train.resume=auto]\n" + OmegaConf.to_yaml(rerun))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def startup_summary(cfg: TrainConfig, param_counts: tuple[int, int], dims: parallelisms.ParallelDims,
+                    global_batch: int, kernels, run_dir: Path) -> list[str]:
+    """What this run is, in a few lines at the top of its log: model, layout, batch, kernels, where it writes."""
+    total, active = param_counts
+    p = cfg.parallel
+    layout = (f"world {dims.world_size} = dp {dims.dp} x cp {dims.cp}; experts: ep {dims.ep} x efsdp {dims.efsdp} x "
+              f"edp {dims.edp}; {p.backend.name}" + (f" (HSDP: replicate {dims.mp_replicate} x shard {dims.mp_shard})"
+                                                     if dims.mp_replicate > 1 else "")
+              + (f"; dispatcher {cfg.dispatcher.name}" if dims.ep > 1 else "")
+              + f"; activation checkpoint {p.activation_checkpoint}")
+    fast = [f"{c.op}={c.impl}" for c in kernels.choices.values() if c.impl != "torch"]
+    return [
+        f"model {cfg.model.name} ({cfg.model.model_type}): {_count(total)} parameters, {_count(active)} active per token",
+
+        f"layout: {layout}",
+        f"global batch: {global_batch} sequences x {cfg.data.seq_len} tokens = {global_batch * cfg.data.seq_len:,} "
+        f"tokens per step (local {cfg.train.local_batch_size} x grad accum {cfg.train.grad_accum_steps} x dp {dims.dp})"
+        f", {cfg.train.steps} steps",
+        f"kernels: {', '.join(fast) if fast else 'torch reference for every op'}",
+        f"run directory: {run_dir.resolve()}",
+    ]
 
 
 class StepResult(NamedTuple):
@@ -145,30 +188,39 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     return StepResult(loss, aux_loss, norm, update and finite, routing_LX)
 
 
-def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, Any]:
+def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, Any, str | None]:
     """Every check that needs no process group: config, model and layout; also run by the launching process
     before torchrun starts any child, so an impossible layout is one short error."""
     validate(cfg)
     spec, model_args = resolve_model(cfg)
+    tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
+    if cfg.checkpoint.export_hf_at_end:
+        check_export_requirements(cfg, tokenizer, model_args.vocab_size)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
-    return spec, model_args
+    return spec, model_args, tokenizer
 
 
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     """Train as configured; returns the per-step metrics (also written to <run_dir>/metrics.jsonl)."""
+    with contextlib.ExitStack() as run_scope:  # what the run opens (log files) is closed however it ends
+        return run_training(cfg, run_scope)
+
+
+def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict[str, Any]]:
     dev_type = device.device_type(cfg.train.device)
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    spec, model_args = check_config(cfg, world_size)
+    spec, model_args, tokenizer = check_config(cfg, world_size)
 
     parallelisms.init_distributed(dev_type, cfg.parallel)
     dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
     dev = device.local_device(dev_type)
     run_dir = shared_run_dir(cfg, dims)
+    run_scope.enter_context(run_logs(run_dir, dims.rank, cfg.logging.all_ranks))
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     # Record the architecture actually built (model=hf leaves it to config.json) so export/resume can rebuild it.
     resolved = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, model_type=spec.model_type, arch=dataclasses.asdict(model_args)))
+        cfg.model, model_type=spec.model_type, tokenizer=tokenizer or "none", arch=dataclasses.asdict(model_args)))
     run_config = OmegaConf.to_container(OmegaConf.structured(resolved))
     global_batch = cfg.train.local_batch_size * cfg.train.grad_accum_steps * dims.dp
     # A resume is checked (config, then keys, shapes and file checksums) before anything of the run is rewritten.
@@ -182,6 +234,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     bf16 = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and dev_type != "cpu")
     with torch.device("meta"):
         model = spec.model_cls(model_args)
+    param_counts = spec.parameter_counts(model)
     model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
                                            torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher)
     model.to_empty(device=dev)
@@ -191,16 +244,22 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         model.init_weights()  # every parameter; the rotary tables are computed per call, so no buffers
     model.train()
     kernels = select_kernels(cfg.kernel_config, dev_type)  # a missing requested package fails here, on every rank
-    apply_kernels(model, kernels)
+    slots = apply_kernels(model, kernels)
     if dims.rank == 0:
         kernels.log(logger)
+        delta_rule = kernels.choices["chunk_gated_delta_rule"]
+        if dev_type == "cuda" and slots.get("chunk_gated_delta_rule") and delta_rule.impl == "torch":
+            logger.warning("Gated DeltaNet runs its torch reference (about half the speed of FLA's kernel: %s); "
+                           "for speed: pip install '.[gpu]' with triton >= 3.7.1 (torch >= 2.12.1) and "
+                           "kernel_config=auto_fla", delta_rule.reason)
 
     optimizer = build_optimizer(model, cfg.optim)
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
-                               dp_rank=dims.dp_rank, dp_size=dims.dp)
-    if loader.vocab_size > model_args.vocab_size:
+                               dp_rank=dims.dp_rank, dp_size=dims.dp,
+                               tokenizer=tokenizer)
+    if loader.vocab_size > model_args.vocab_size:  # pre-tokenized ids (tokenized data was checked at start-up)
         raise ValueError(f"data ids reach {loader.vocab_size - 1} but model.arch.vocab_size={model_args.vocab_size}; "
-                         "use a model whose vocabulary covers the tokenizer (or data.tokenizer to match)")
+                         "use a model whose vocabulary covers the data's ids")
     first_step, position = 1, 0
     if state is not None:
         load_checkpoint(resume_from, model, optimizer, state.get("files"))
@@ -212,7 +271,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     scheduler = build_scheduler(optimizer, cfg.optim, max(cfg.train.steps, 1), position)
     # Only now, with the resume known good, is anything of the run directory rewritten.
     if dims.rank == 0:
-        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(run_config))
+        atomic_write_text(run_dir / "config.yaml", rerunnable_config(run_config))
     metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0,
                                  keep_until=first_step - 1 if state is not None else None, run_config=run_config)
     # Autocast only where FSDP's mixed-precision policy does not already cast the parameters.
@@ -228,9 +287,16 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
 
     def checkpoint(step: int) -> None:
         train_state = {"scheduler": {"last_epoch": scheduler.last_epoch}, "loader": loader.state_dict(),
-                       "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch}
+                       "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch,
+                       "tokens_total": tokens_total}
         save_checkpoint(ckpt_root, step, model, optimizer, train_state, cfg.checkpoint.keep_last, dims.rank == 0)
 
+    tokens_per_step = global_batch * cfg.data.seq_len
+    # Checkpoints before tokens_total was recorded: the steps so far at this batch.
+    tokens_total = state.get("tokens_total", (first_step - 1) * tokens_per_step) if state is not None else 0
+    if dims.rank == 0:
+        for line in startup_summary(resolved, param_counts, dims, global_batch, kernels, run_dir):
+            logger.info(line)
     history: list[dict[str, Any]] = []
     steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
     start = time.perf_counter()
@@ -249,11 +315,12 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         device.synchronize(dev_type)
         step_time = time.perf_counter() - step_start
         profiler.step_end(step)  # after the sync: the profiled wall time is complete
-        tokens = cfg.train.grad_accum_steps * cfg.train.local_batch_size * cfg.data.seq_len * dims.dp
+        tokens = tokens_per_step
+        tokens_total += tokens if step > 0 else 0
         per_device = tokens / step_time / dims.world_size
         metrics: dict[str, Any] = {
             "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "grad_norm": result.grad_norm,
-            "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens,
+            "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens, "tokens_total": tokens_total,
             "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
             "tflops_per_device": per_device * flops_per_token / 1e12,
             "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
@@ -279,14 +346,16 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         if cfg.train.save_final:
             save_model_weights(model, run_dir / "model.safetensors", is_writer=dims.rank == 0)
         if cfg.checkpoint.export_hf_at_end:
-            export_hf(model, spec.model_type, run_dir / "hf")
+            export_hf(model, spec.model_type, run_dir / "hf", extra_files=hf_tokenizer_files(tokenizer))
     profiler.close()  # a run that stopped inside the window still gets its trace and summary
     stop.restore()
     if cfg.train.gc_every:
         gc.enable()
     metric_logger.close()
     if dims.rank == 0:
-        logger.info("run directory: %s", run_dir)
+        logger.info("done: %d of %d steps (%d in this process, %s), %s tokens in all; run directory: %s",
+                    history[-1]["step"] if history else first_step - 1, cfg.train.steps, len(history),
+                    datetime.timedelta(seconds=round(time.perf_counter() - start)), f"{tokens_total:,}", run_dir)
     return history
 
 
@@ -313,6 +382,8 @@ class StopSignal:
 
 
 register_schema()
+# conf/config.yaml: Hydra's run directory is train.output_dir when that is set, else a new dated one.
+OmegaConf.register_new_resolver("if_none", lambda value, default: default if value is None else value, replace=True)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -324,8 +395,10 @@ def main(dict_cfg: DictConfig) -> None:
 
             check_config(cfg, world_size=cfg.launch.nproc_per_node)  # before any child starts
             hydra_cfg = HydraConfig.get()
+            primary = next(s for s in hydra_cfg.runtime.config_sources if s.provider == "main")  # conf/ or a run dir
             relaunch_with_torchrun(cfg.launch, list(hydra_cfg.overrides.task),
-                                   cfg.train.output_dir or hydra_cfg.runtime.output_dir)
+                                   cfg.train.output_dir or hydra_cfg.runtime.output_dir,
+                                   config=(primary.path.removeprefix("file://"), hydra_cfg.job.config_name))
             return
         try:
             run(cfg)

@@ -37,6 +37,16 @@ class ModelSpec:
     hf_export_type: str | None = None  # export as this registered model_type instead (e.g. multimodal -> text)
 
 
+    def parameter_counts(self, model: nn.Module) -> tuple[int, int]:
+        """(total, active per token) parameters of a built (possibly meta) model: of the routed experts' weights a
+        token uses num_experts_per_tok / num_experts; everything else (shared experts, attention, embeddings) is
+        active."""
+        total = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for block in model.get_submodule(self.blocks)
+                      for p in block.get_submodule(self.experts).parameters())
+        args = model.args
+        return total, total - experts + experts * args.num_experts_per_tok // args.num_experts
+
     def cp_head_counts(self, args: Any) -> list[tuple[str, int, str, int]]:
         """(key, heads split over cp, key, heads they share) of each token mixer, for the parallel checks."""
         return [(split, getattr(args, split), shared, getattr(args, shared)) for split, shared in self.cp_heads]

@@ -17,6 +17,7 @@ from parallelisms.config import ParallelConfig
 from parallelisms.dispatchers.config import DispatcherConfig, validate_dispatcher_config
 from training.checkpoint import CheckpointConfig
 from training.data import DataConfig, validate_data_config
+from training.hf_tokenizer import CHOICES as TOKENIZER_CHOICES
 from training.launch import LaunchConfig
 
 
@@ -24,6 +25,9 @@ from training.launch import LaunchConfig
 class ModelConfig:
     name: str = "qwen3_moe_debug"
     model_type: str | None = "qwen3_moe"  # None with model=hf: taken from init_from's config.json
+    # The vocabulary the data is tokenized with and the export writes: qwen3 | qwen3_5 (training.tokenizer), auto
+    # (model.init_from's tokenizer files; model=hf) or none (pre-tokenized data of another vocabulary)
+    tokenizer: str = "qwen3"
     init_from: str | None = None  # a Hugging Face directory (config.json + safetensors) to load weights from
     arch: dict[str, Any] = field(default_factory=dict)  # the family's hyper-parameters (models/<family>/args.py)
 
@@ -62,6 +66,7 @@ class TrainSection:
 @dataclass
 class LoggingConfig:
     log_every: int = 1  # steps between metric lines (metrics.jsonl, tensorboard, wandb)
+    all_ranks: bool = False  # also write every other rank's log to <run_dir>/logs/rank_<r>.log (rank 0: train.log)
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "qwen-moe"
@@ -139,6 +144,11 @@ def validate(cfg: TrainConfig) -> None:
     m = cfg.model
     _check(m.model_type is not None or m.init_from is not None,
            "model.model_type is unset: pick a preset (model=qwen3_moe_debug) or give model.init_from=<hf dir>")
+    _check(m.tokenizer in TOKENIZER_CHOICES,
+           f"model.tokenizer={m.tokenizer!r} is unknown; choose one of {', '.join(TOKENIZER_CHOICES)}")
+    _check(m.tokenizer != "auto" or m.init_from is not None,
+           "model.tokenizer=auto takes the tokenizer of model.init_from's directory, and model.init_from is unset: "
+           "name the tokenizer (model.tokenizer=qwen3 or qwen3_5)")
     validate_data_config(cfg.data)
     validate_kernel_config(cfg.kernel_config)
     validate_dispatcher_config(cfg.dispatcher)

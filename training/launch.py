@@ -58,15 +58,17 @@ def one_line_errors() -> Iterator[None]:
         sys.exit(1)
 
 
-def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str) -> None:
-    """Run ``train.py <overrides>`` under torchrun on this node, writing into this job's run directory; a failure
-    raises LaunchError with the first failed child's message."""
+def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str, config: tuple[str, str]) -> None:
+    """Run ``train.py <overrides>`` under torchrun on this node with the same primary config (``config``: its
+    directory and name), writing into this job's run directory; a failure raises LaunchError with the first failed
+    child's message."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     script = Path(__file__).resolve().parents[1] / "train.py"
-    args = ["--standalone", f"--nproc_per_node={cfg.nproc_per_node}", str(script), *overrides,
-            f"train.output_dir={run_dir}"]
+    config_dir, config_name = config
+    args = ["--standalone", f"--nproc_per_node={cfg.nproc_per_node}", str(script), f"--config-path={config_dir}",
+            f"--config-name={config_name}", *overrides, f"train.output_dir={run_dir}"]
     print("launching: torchrun", " ".join(args), flush=True)
     os.environ[_RELAUNCHED] = "1"
     # The agent's own logs (rendezvous, worker start/stop, per-child failure dumps) would bury the one line.
