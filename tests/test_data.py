@@ -306,8 +306,8 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         validate_data_config(DataConfig(name="c4"))
     with pytest.raises(ValueError, match="data.seq_len"):
         validate_data_config(DataConfig(seq_len=0))
-    with pytest.raises(ValueError, match="data.tokenizer"):
-        validate_data_config(DataConfig(tokenizer="gpt2"))
+    with pytest.raises(ValueError, match="model's tokenizer, and model.tokenizer gives 'gpt2'"):  # moved to model.*
+        build_data_loader(DataConfig(), seed=0, local_batch_size=1, dp_rank=0, dp_size=1, tokenizer="gpt2")
     with pytest.raises(ValueError, match="data.path"):
         validate_data_config(DataConfig(name="jsonl"))
     with pytest.raises(FileNotFoundError, match="data.path.*nope.jsonl"):
