@@ -1,8 +1,16 @@
-"""Shared fixtures: compose the real Hydra config in tests, with small synthetic token data."""
+"""Shared fixtures: compose the real Hydra config in tests, with small synthetic token data.
+
+Tests write only under pytest's temporary directories: composed configs cache tokenized corpora in one
+session-wide temporary cache (``data_cache_dir``), runs get a ``train.output_dir`` under ``tmp_path``, and a
+check at the end of the session fails it if the repository gained an entry (a Hydra ``outputs/`` run
+directory, a ``.cache/data`` corpus: what a run writes when no directory is given).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +20,11 @@ from hydra import compose, initialize_config_dir
 
 from training.config import TrainConfig, register_schema, to_train_config
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = str(REPO / "conf")
+# The session's tokenized-corpus cache, set by the data_cache_dir fixture. An environment variable, not a module
+# global: pytest imports this file as `conftest` and the tests import it again as `tests.conftest`.
+DATA_CACHE_ENV = "QWEN_MOE_TEST_DATA_CACHE"
 
 # A debug model small enough that a training step takes milliseconds.
 TINY_MODEL = [
@@ -22,10 +34,71 @@ TINY_MODEL = [
 
 
 def compose_config(overrides: list[str]) -> TrainConfig:
-    """The TrainConfig that ``python train.py <overrides>`` would run with."""
+    """The TrainConfig that ``python train.py <overrides>`` would run with, but with data.cache_dir in the session's
+    temporary cache (not the repository's .cache/data) unless ``overrides`` set it."""
     register_schema()
+    cache = os.environ.get(DATA_CACHE_ENV)
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_train_config(compose(config_name="config", overrides=overrides))
+        return to_train_config(compose(config_name="config",
+                                       overrides=[*([f"data.cache_dir={cache}"] if cache else []), *overrides]))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache_dir(tmp_path_factory) -> Iterator[Path]:
+    """The session's tokenized-corpus cache: chitchat is tokenized once per session, outside the repository.
+    compose_config uses it; a test running train.py passes ``data.cache_dir=<this>``."""
+    path = tmp_path_factory.mktemp("data-cache")
+    previous = os.environ.get(DATA_CACHE_ENV)
+    os.environ[DATA_CACHE_ENV] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(DATA_CACHE_ENV, None)
+    else:
+        os.environ[DATA_CACHE_ENV] = previous
+
+
+# ----------------------------------------------------------------------------- nothing written into the repository
+
+# Where a run writes when no directory is given (relative to the working directory: the repository here): Hydra's
+# run and sweep directories, the Slurm scripts' job directories, the tokenized-corpus cache, wandb's offline runs.
+_DEFAULT_OUTPUTS = ("outputs", "multirun", "runs", ".cache", "wandb")
+_NOT_OURS = {".git", ".pytest_cache", "__pycache__"}  # pytest's and Python's own
+_REPO_BEFORE = pytest.StashKey[set]()
+
+
+def repo_entries(repo: Path = REPO) -> set[str]:
+    """The repository's top-level entries, and the entries up to 3 levels under the default output directories
+    (outputs/<date>/<time>/..., .cache/data/<corpus>): cheap even with a user's runs there."""
+    entries = {p.name for p in repo.iterdir() if p.name not in _NOT_OURS}
+    for name in _DEFAULT_OUTPUTS:
+        for root, dirs, files in os.walk(repo / name):
+            rel = Path(root).relative_to(repo)
+            entries |= {str(rel / f) for f in files} | {str(rel / d) for d in dirs}
+            if len(rel.parts) >= 3:
+                dirs.clear()
+    return entries
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_REPO_BEFORE] = repo_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session if tests wrote into the repository (a run without train.output_dir or data.cache_dir)."""
+    before = session.config.stash.get(_REPO_BEFORE, None)
+    if before is None:
+        return
+    new = sorted(repo_entries() - before)
+    if not new:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", "the tests wrote into the repository", red=True)
+        for entry in new[:20]:
+            reporter.write_line(f"  {entry}")
+        reporter.write_line(f"  ({len(new)} new entries) tests must write under tmp_path: give runs train.output_dir "
+                            "(or hydra.run.dir / hydra.sweep.dir) and data.cache_dir (tests/conftest.py)")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def our_loss_like_transformers(model, input_ids_BT: torch.Tensor, num_experts: int, aux_coef: float):
@@ -87,13 +160,15 @@ def trained_tokens_per_rank(cfg: TrainConfig, dp: int, cp: int = 1) -> list[list
 
 @pytest.fixture
 def tiny_run_config(tmp_path):
-    """Factory: a TrainConfig for the tiny model on synthetic tokens, writing into tmp_path."""
+    """Factory: a TrainConfig for the tiny model on synthetic tokens, writing into tmp_path. On the CPU (fp32) on
+    any host: train.device=auto would take a GPU host's GPU, in bf16, away from the CPU references."""
 
     def make(*overrides: str, num_tokens: int = 4096) -> TrainConfig:
         data = write_tokens(tmp_path / "tokens.npy", num_tokens)
         return compose_config([*TINY_MODEL, "data=tokens", f"data.path={data}", "data.seq_len=32",
                                f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}",
-                               "train.local_batch_size=4", "logging.tensorboard=false", *overrides])
+                               "train.local_batch_size=4", "logging.tensorboard=false", "train.device=cpu",
+                               *overrides])
 
     torch.manual_seed(0)
     return make

@@ -116,3 +116,20 @@ def test_checkpoints_from_before_model_tokenizer_still_resume(tiny_run_config):
     old["data"]["tokenizer"] = "qwen3_5"
     with pytest.raises(ValueError, match="model.tokenizer: 'qwen3_5' -> 'qwen3'"):
         train.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
+
+
+def test_log_handlers_that_hydra_did_not_make_are_left_alone(tiny_run_config, tmp_path):
+    """A user's (or pytest's) file handler keeps its file, however empty, and /dev/null stays a device."""
+    import stat
+
+    empty = tmp_path / "user.log"
+    handler = logging.FileHandler(empty, delay=False)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        train.run(tiny_run_config("train.steps=1"))
+        assert handler in root.handlers and empty.exists()
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+    assert stat.S_ISCHR(Path("/dev/null").stat().st_mode)

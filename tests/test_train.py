@@ -136,11 +136,11 @@ def test_vocabulary_smaller_than_the_data_is_rejected(tmp_path):
         train.run(cfg)
 
 
-def test_the_readme_command_runs_the_default_config(tmp_path):
+def test_the_readme_command_runs_the_default_config(tmp_path, data_cache_dir):
     """`python train.py` as a user runs it (Hydra CLI, real tokenizer and chitchat corpus), shortened."""
     out = subprocess.run(
         [sys.executable, "train.py", "train.steps=2", "data.seq_len=32", "train.local_batch_size=2",
-         f"train.output_dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}"],
+         f"train.output_dir={tmp_path}", f"data.cache_dir={data_cache_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step     2/2" in out.stdout + out.stderr

@@ -4,6 +4,7 @@ Rank 0's log is ``<run_dir>/train.log`` (Hydra's file handler, moved there when 
 under a plain ``torchrun`` each rank's Hydra clock names its own ``outputs/<date>/<time>``, and the run directory is
 rank 0's). Other ranks write no file unless ``logging.all_ranks=true``, then ``<run_dir>/logs/rank_<r>.log``; a
 rank's own Hydra directory that ended up unused and empty is removed, so no stray ``outputs/`` folders remain.
+Handlers that Hydra did not make (a user's, pytest's) are left alone.
 """
 
 from __future__ import annotations
@@ -20,18 +21,31 @@ def log_file(run_dir: Path, rank: int) -> Path:
     return run_dir / "train.log" if rank == 0 else run_dir / "logs" / f"rank_{rank}.log"
 
 
+def _hydra_log() -> Path | None:
+    """The file Hydra's job logging writes (``<hydra run dir>/<job name>.log``), when under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    return (Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log").resolve()
+
+
 @contextlib.contextmanager
 def run_logs(run_dir: Path, rank: int, all_ranks: bool) -> Iterator[None]:
-    """Route the root logger's file output into the run directory for the duration of a run; restore it after."""
+    """Route this rank's file log into the run directory for the duration of a run; restore the level after."""
     root = logging.getLogger()
-    previous = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
-    target = log_file(run_dir, rank)
-    keep = [h for h in previous if Path(h.baseFilename) == target.resolve()]
-    for handler in previous:
-        if handler not in keep:
+    target = log_file(run_dir, rank).resolve()
+    hydra_log = _hydra_log()
+    hydra_handlers = [h for h in root.handlers
+                      if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve() == hydra_log]
+    keep = hydra_log == target and bool(hydra_handlers)
+    if not keep:
+        for handler in hydra_handlers:
             root.removeHandler(handler)
             handler.close()
-            _remove_if_unused(Path(handler.baseFilename), run_dir)
+        if hydra_handlers and not hydra_log.is_relative_to(run_dir.resolve()):
+            _remove_unused_hydra_dir(hydra_log)
     added, level = None, root.level
     if not keep and (rank == 0 or all_ranks):
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -48,11 +62,11 @@ def run_logs(run_dir: Path, rank: int, all_ranks: bool) -> Iterator[None]:
             root.setLevel(level)
 
 
-def _remove_if_unused(file: Path, run_dir: Path) -> None:
-    """Remove a log file that nothing was written to, and its directory when that leaves it empty (never the run
-    directory or anything inside it)."""
+def _remove_unused_hydra_dir(hydra_log: Path) -> None:
+    """Remove Hydra's log file when nothing was written to it (a regular file, empty), and its run directory when
+    that leaves it empty."""
     with contextlib.suppress(OSError):
-        if file.resolve().is_relative_to(run_dir.resolve()) or file.stat().st_size:
+        if hydra_log.is_symlink() or not hydra_log.is_file() or hydra_log.stat().st_size:
             return
-        file.unlink()
-        file.parent.rmdir()  # fails, harmlessly, unless empty
+        hydra_log.unlink()
+        hydra_log.parent.rmdir()  # fails, harmlessly, unless empty

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster on this machine, for tests and CI (root; no systemd, no cgroups):
-#   scripts/slurm/local_cluster.sh start    # write slurm.conf, start munged + slurmctld + slurmd, wait for idle
+#   scripts/slurm/local_cluster.sh start    # install Slurm if missing (below), write slurm.conf, start munged +
+#                                           # slurmctld + slurmd, wait for idle
 #   scripts/slurm/local_cluster.sh stop     # stop the three daemons (state and logs stay for post-mortems)
 #   scripts/slurm/local_cluster.sh status   # sinfo
 # Everything lives in $SLURM_LOCAL_DIR (default /tmp/qmt-slurm): slurm.conf, its own munge key and socket,
 # state, logs. Nothing under /etc is touched, so a system Slurm or munge is left alone; clients find this
 # cluster through SLURM_CONF=$SLURM_LOCAL_DIR/slurm.conf (start prints the export line).
-# Needs Debian's slurmctld, slurmd, slurm-client and munge packages (start installs them with apt-get if missing).
+# Needs Debian's slurmctld, slurmd, slurm-client and munge packages: start installs them with apt-get when missing
+# (.ci/run relies on this on a fresh machine). tests/test_slurm.py never runs this script: its Slurm tests skip
+# until the cluster is up (and fail instead under QWEN_MOE_REQUIRE_SLURM=1, as .ci/run sets).
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/tmp/qmt-slurm}
