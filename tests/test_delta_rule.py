@@ -3,6 +3,8 @@ both against transformers' torch references."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,15 +74,21 @@ def test_scale_no_l2norm_autocast_and_dtypes() -> None:
     assert chunk_gated_delta_rule(**bf16, chunk_size=16, output_final_state=True)[1].dtype == torch.float32
 
 
+def _torch_only(hf_function):
+    """transformers' torch function itself: where flash-linear-attention is installed, transformers (5.17 and later)
+    wraps its ``torch_*`` delta rules to run FLA's Triton kernels instead, which cannot take CPU tensors."""
+    return inspect.unwrap(hf_function)
+
+
 def test_matches_transformers_reference() -> None:
     inputs = _inputs(seed=3)
     kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     qkv = [inputs.pop(name) for name in ("q", "k", "v")]  # transformers names them query, key, value
     pairs = [
         (chunk_gated_delta_rule(*qkv, **inputs, chunk_size=32, **kwargs),
-         hf_qwen35.torch_chunk_gated_delta_rule(*qkv, **inputs, chunk_size=32, **kwargs)),
+         _torch_only(hf_qwen35.torch_chunk_gated_delta_rule)(*qkv, **inputs, chunk_size=32, **kwargs)),
         (recurrent_gated_delta_rule(*qkv, **inputs, **kwargs),
-         hf_qwen35.torch_recurrent_gated_delta_rule(*qkv, **inputs, **kwargs)),
+         _torch_only(hf_qwen35.torch_recurrent_gated_delta_rule)(*qkv, **inputs, **kwargs)),
     ]
     for (o, state), (o_ref, state_ref) in pairs:
         # Same algorithms in fp32: only the memory layout (and so the summation order) may differ.
