@@ -49,6 +49,7 @@ EXPERT_WEIGHTS: dict[str, tuple[str, ...]] = {
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+HF_FORMAT_VERSION = "5.24.0"  # config.json's transformers_version: the oldest transformers the export is tested with
 
 
 def _hf_names(spec: ModelSpec) -> ModuleType:
@@ -389,7 +390,10 @@ def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_d
     with torch.device("meta"):
         check_state_dict(spec.model_cls(args), state)
     config = {"architectures": [spec.hf_architecture], "model_type": spec.model_type,
-              **_hf_names(spec).config_from_arch(args), "torch_dtype": str(dtype).removeprefix("torch.")}
+              **_hf_names(spec).config_from_arch(args), "torch_dtype": str(dtype).removeprefix("torch."),
+              # The transformers format written (the version the tests load it with). Without it, transformers 5.x
+              # takes a >100k-token tokenizer beside it for an old Mistral one and warns of a wrong regex.
+              "transformers_version": HF_FORMAT_VERSION}
     tensors = _disk_tensors(spec, {name: t.shape for name, t in state.items()})  # the sources in sorted order
 
     def write(tmp: Path) -> None:
