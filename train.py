@@ -104,6 +104,8 @@ def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], glob
     if "data.tokenizer" in saved:  # checkpoints before model.tokenizer: the key moved (pre-tokenized data: none)
         tokenizer = saved.pop("data.tokenizer")
         saved.setdefault("model.tokenizer", "none" if saved.get("data.name") == "tokens" else tokenizer)
+    saved.setdefault("data.bin_dtype", "uint32")  # checkpoints before shards and mixtures: what they read
+    saved.setdefault("data.sources", None)
     current = flat_config(run_config, global_batch if saved_batch is not None else None)
     for line in check_resume_config(saved, current, allow, str(source)):
         if log:
@@ -332,6 +334,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
                            step, result.loss, result.grad_norm)
         if step % cfg.logging.log_every == 0 or step == steps[-1]:
             metrics.update(moe_metrics(result.routing_LX, dims.data_group))
+            metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
             metric_logger.log(metrics)
             if dims.rank == 0:
                 eta = (time.perf_counter() - start) / done * (len(steps) - done)

@@ -105,13 +105,15 @@ def test_parameter_counts(model_type):
 
 
 def test_checkpoints_from_before_model_tokenizer_still_resume(tiny_run_config):
-    """data.tokenizer moved to model.tokenizer: an older checkpoint's value is compared under the new key."""
+    """data.tokenizer moved to model.tokenizer: an older checkpoint's value is compared under the new key; keys
+    added since (data.bin_dtype, data.sources) count as their defaults."""
     from omegaconf import OmegaConf
 
     cfg = tiny_run_config("data=chitchat", "model.arch.vocab_size=151936")
     current = OmegaConf.to_container(OmegaConf.structured(cfg))
+    old_data = {k: v for k, v in current["data"].items() if k not in ("bin_dtype", "sources")}
     old = {**current, "model": {k: v for k, v in current["model"].items() if k != "tokenizer"},
-           "data": {**current["data"], "tokenizer": "qwen3"}}
+           "data": {**old_data, "tokenizer": "qwen3"}}
     train.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
     old["data"]["tokenizer"] = "qwen3_5"
     with pytest.raises(ValueError, match="model.tokenizer: 'qwen3_5' -> 'qwen3'"):

@@ -6,6 +6,12 @@ dropped). Window order is a per-epoch permutation fixed by the seed. Global micr
 [k*g, (k+1)*g) of that order, with g = local_batch_size * dp_size, and dp rank r takes the contiguous
 rows [r*local_batch_size, (r+1)*local_batch_size), so batches do not depend on the parallel layout.
 
+Pre-tokenized data (``data=tokens``) may be many shards (``training.token_shards``: one memory-mapped stream) and a
+mixture of sources (``data.sources``): then slot j of global batch n comes from the source drawn for it by
+``np.random.default_rng([seed, n])`` with the sources' weights, and each source hands out its windows, slot by slot,
+from its own seeded per-epoch order with its own epoch and position. The draw depends on (seed, n) only, so a
+mixture's batches, too, do not depend on the parallel layout.
+
 Packed documents (``data.document_mask``): position ids restart at each document start (after <|endoftext|>), which
 tells the model to keep attention and DeltaNet within documents (``models.layers.document_ids``). Under context
 parallelism the cp ranks of a dp slice read the same rows, each keeping its contiguous 1/cp (``context_shard``).
@@ -19,8 +25,6 @@ import hashlib
 import importlib.resources
 import itertools
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +33,8 @@ import numpy as np
 import torch
 
 from core.constants import IGNORE_INDEX
+from training.checkpoint import atomic_write
+from training.token_shards import BIN_DTYPES, TokenStream, WindowOrder, load_token_stream, shard_paths
 from training.tokenizer import CHAT_ROLES, TOKENIZERS, QwenTokenizer
 
 _NAMES = ("chitchat", "jsonl", "tokens")
@@ -41,9 +47,20 @@ Doc = tuple[list[int], list[bool]]  # token ids, loss mask (True = trained)
 
 
 @dataclass
+class SourceConfig:
+    """One source of a data.sources mixture."""
+    path: str = ""  # as data.path of data=tokens: a .npy / .bin shard, a directory of them, or a glob
+    weight: float = 1.0  # relative share of the global batch's windows (the weights need not sum to 1)
+    name: str | None = None  # in metrics (data/share/<name>) and the loader state; None: the path's last part
+
+
+@dataclass
 class DataConfig:
     name: str = "chitchat"  # chitchat | jsonl | tokens
-    path: str | None = None  # jsonl: .jsonl file; tokens: .npy or raw uint32 .bin; chitchat: dataset.json override
+    # jsonl: .jsonl file; tokens: a .npy / raw .bin shard, a directory of them or a glob; chitchat: dataset.json
+    path: str | None = None
+    bin_dtype: str = "uint32"  # tokens: the dtype of raw little-endian .bin shards (uint16, int32, ...)
+    sources: list[SourceConfig] | None = None  # tokens: a weighted mixture of token sources instead of data.path
     seq_len: int = 256
     # The tokenizer is the model's (model.tokenizer): build_data_loader takes it from the caller.
     mask_non_assistant: bool = False  # chat data: loss only on assistant tokens
@@ -69,18 +86,62 @@ def validate_data_config(cfg: DataConfig) -> None:
     if cfg.name == "tokens" and cfg.mask_non_assistant:
         raise ValueError("data.mask_non_assistant=true needs chat data (data.name=jsonl or chitchat); "
                          "pre-tokenized data has no loss mask")
-    if cfg.name != "chitchat" and not cfg.path:
-        raise ValueError(f"data.path is required for data.name={cfg.name}; set data.path=/path/to/file")
-    if cfg.name == "tokens" and Path(cfg.path).suffix not in (".npy", ".bin"):
-        raise ValueError(f"data.path={cfg.path!r} must be a .npy array or a raw uint32 .bin file for data.name=tokens")
+    if cfg.sources is not None:
+        _validate_sources(cfg)
+    elif cfg.name != "chitchat" and not cfg.path:
+        fix = " (or a mixture: data.sources)" if cfg.name == "tokens" else ""
+        raise ValueError(f"data.path is required for data.name={cfg.name}; set data.path=/path/to/file{fix}")
+    if cfg.bin_dtype not in BIN_DTYPES:
+        raise ValueError(f"data.bin_dtype={cfg.bin_dtype!r} is unknown; choose one of {', '.join(BIN_DTYPES)}")
     if cfg.eos_id is not None and (cfg.name != "tokens" or cfg.eos_id < 0):
         raise ValueError(f"data.eos_id={cfg.eos_id} must be a token id and is for data.name=tokens only; chat and text "
                          "data end documents with the tokenizer's <|endoftext|>")
     if not cfg.cache_dir:
         raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
-    path = _source_path(cfg)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path: no such file {path}")
+    if cfg.name == "tokens":
+        for key, path in _token_paths(cfg):
+            shard_paths(path, key)
+    elif not _source_path(cfg).is_file():
+        raise FileNotFoundError(f"data.path: no such file {_source_path(cfg)}")
+
+
+def _validate_sources(cfg: DataConfig) -> None:
+    if cfg.name != "tokens":
+        raise ValueError(f"data.sources (a mixture) is for data.name=tokens only for now, got data.name={cfg.name}; "
+                         "pre-tokenize the sources or use one data.path")
+    if cfg.path:
+        raise ValueError(f"data.sources and data.path={cfg.path} are both set; a mixture names its paths in "
+                         "data.sources, so unset data.path (data.path=null)")
+    if not cfg.sources:
+        raise ValueError("data.sources is empty; give at least one {path: ..., weight: ...} or unset it")
+    for i, src in enumerate(cfg.sources):
+        if not isinstance(src, SourceConfig) or not src.path:
+            raise ValueError(f"data.sources[{i}] must be {{path: ..., weight: ...}} with a path, got {src!r}")
+        if not isinstance(src.weight, (int, float)) or not src.weight > 0:
+            raise ValueError(f"data.sources[{i}].weight={src.weight!r} must be a positive number")
+    names = source_names(cfg.sources)
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"data.sources name {repeated[0]!r} more than once; give each source a distinct name "
+                         "(data.sources[i].name)")
+
+
+def source_names(sources: list[SourceConfig]) -> list[str]:
+    """Each source's name: its ``name``, else the last part of its path that is not a glob (its stem)."""
+    names = []
+    for src in sources:
+        path = Path(src.path)
+        while any(c in path.name for c in "*?[") and path.parent != path:
+            path = path.parent
+        names.append(src.name or path.stem)
+    return names
+
+
+def _token_paths(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(config key, path) of each token source of ``cfg`` (data=tokens)."""
+    if cfg.sources is None:
+        return [("data.path", cfg.path)]
+    return [(f"data.sources[{i}].path", src.path) for i, src in enumerate(cfg.sources)]
 
 
 def _text_doc(tok: QwenTokenizer, text: str) -> Doc:
@@ -179,30 +240,22 @@ def _tokenized_stream(cfg: DataConfig, path: Path, tokenizer: str) -> np.ndarray
     stream = np.array([ids, mask], dtype=np.uint32)
 
     cache.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
             np.save(f, stream)
-        os.replace(tmp, cache)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+
+    atomic_write(cache, write)
     return stream
 
 
-def _load_tokens(path: Path) -> np.ndarray:
-    """A pre-tokenized 1-D id array (memory-mapped): .npy of any integer dtype or raw little-endian uint32."""
-    if path.suffix == ".npy":
-        ids = np.load(path, mmap_mode="r")
-    elif path.stat().st_size > 0 and path.stat().st_size % 4 == 0:
-        ids = np.memmap(path, dtype="<u4", mode="r")
-    else:
-        raise ValueError(f"data.path={path}: a raw uint32 .bin file needs a positive multiple of 4 bytes")
-    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size == 0:
-        raise ValueError(f"data.path={path}: expected a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
-    if ids.min() < 0:
-        raise ValueError(f"data.path={path}: token ids must be non-negative")
-    return ids
+@dataclass
+class Source:
+    """One stream of windows for PackedLoader."""
+    name: str
+    ids: np.ndarray | TokenStream  # 1-D ids
+    mask: np.ndarray | None = None  # 1-D loss mask of the targets; None: every target is trained
+    weight: float = 1.0
 
 
 class PackedLoader:
@@ -210,8 +263,7 @@ class PackedLoader:
 
     def __init__(
         self,
-        ids: np.ndarray,
-        mask: np.ndarray | None,
+        sources: list[Source],
         *,
         seq_len: int,
         vocab_size: int,
@@ -221,46 +273,77 @@ class PackedLoader:
         dp_size: int,
         eos_id: int | None = None,
     ) -> None:
-        self._ids, self._mask = ids, mask  # 1-D streams; mask None = every target is trained
+        self._sources = sources
         self._eos_id = eos_id  # None: position ids 0..T-1 in every window, else restarting after each eos
         self.seq_len = seq_len
         self.vocab_size = vocab_size
-        self.num_windows = len(ids) // (seq_len + 1)
         self._seed = seed
         self._local_batch = local_batch_size
         self._rank_offset = dp_rank * local_batch_size
         self._global_batch = local_batch_size * dp_size
-        if self.num_windows < self._global_batch:
-            raise ValueError(
-                f"corpus too small: {len(ids)} tokens make {self.num_windows} windows of data.seq_len={seq_len} "
-                f"(+1), fewer than one global batch of {self._global_batch}; lower data.seq_len or the batch size"
-            )
-        self.epoch = 0
-        self.position = 0  # index in this epoch's order of the next global batch's first window
-        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        mixture = len(sources) > 1
+        self._orders = [WindowOrder(len(src.ids) // (seq_len + 1), (seed, i) if mixture else (seed,))
+                        for i, src in enumerate(sources)]
+        for src, order in zip(sources, self._orders):
+            if order.num_windows < self._global_batch:
+                what = f"source {src.name!r} of data.sources" if mixture else "corpus"
+                raise ValueError(
+                    f"{what} too small: {len(src.ids)} tokens make {order.num_windows} windows of "
+                    f"data.seq_len={seq_len} (+1), fewer than one global batch of {self._global_batch}; lower "
+                    "data.seq_len or the batch size"
+                )
+        self.num_windows = sum(order.num_windows for order in self._orders)
+        weights = np.array([src.weight for src in sources], dtype=np.float64)
+        self._p = weights / weights.sum()
+        self._drawn = 0  # windows of all global batches so far (a mixture's position)
+        self._windows = [0] * len(sources)  # per source: windows of all global batches so far
 
-    def _epoch_order(self) -> np.ndarray:
-        if self._order_epoch != self.epoch:
-            self._order = np.random.default_rng([self._seed, self.epoch]).permutation(self.num_windows)
-            self._order_epoch = self.epoch
-        return self._order
+    @property
+    def epoch(self) -> int:
+        """The single source's epoch; a mixture has none of its own (0): its sources' are in state_dict."""
+        return self._orders[0].epoch if len(self._orders) == 1 else 0
+
+    @property
+    def position(self) -> int:
+        """The single source's index in its epoch's order; a mixture's windows drawn so far (n x global batch)."""
+        return self._orders[0].position if len(self._orders) == 1 else self._drawn
 
     def __iter__(self) -> PackedLoader:
         return self
 
+    def _global_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """Source and window of each slot of the next global batch; advances every source's order."""
+        g = self._global_batch
+        if len(self._orders) == 1:
+            source_G, window_G = np.zeros(g, dtype=np.int64), self._orders[0].take(g)
+        else:
+            source_G = np.random.default_rng([self._seed, self._drawn // g]).choice(len(self._orders), size=g,
+                                                                                   p=self._p)
+            window_G = np.empty(g, dtype=np.int64)
+            for s, order in enumerate(self._orders):
+                at = source_G == s
+                window_G[at] = order.take(int(at.sum()))
+        for s in range(len(self._orders)):
+            self._windows[s] += int((source_G == s).sum())
+        self._drawn += g
+        return source_G, window_G
+
     def __next__(self) -> dict[str, torch.Tensor]:
-        if self.position + self._global_batch > self.num_windows:
-            self.epoch, self.position = self.epoch + 1, 0
-        start = self.position + self._rank_offset
-        windows_B = self._epoch_order()[start : start + self._local_batch]
-        self.position += self._global_batch
+        source_G, window_G = self._global_slots()
+        rows = slice(self._rank_offset, self._rank_offset + self._local_batch)
+        source_B, windows_B = source_G[rows], window_G[rows]
 
         index_BT1 = windows_B[:, None] * (self.seq_len + 1) + np.arange(self.seq_len + 1)
-        tokens_BT1 = torch.from_numpy(self._ids[index_BT1].astype(np.int64))
+        tokens_BT1 = np.empty(index_BT1.shape, dtype=np.int64)
+        trained_BT = np.ones((self._local_batch, self.seq_len), dtype=bool)
+        for s in np.unique(source_B):
+            at_B, src = source_B == s, self._sources[s]
+            tokens_BT1[at_B] = src.ids[index_BT1[at_B]]
+            if src.mask is not None:
+                trained_BT[at_B] = src.mask[index_BT1[at_B][:, 1:]].astype(bool)
+        tokens_BT1 = torch.from_numpy(tokens_BT1)
         labels_BT = tokens_BT1[:, 1:].clone()
-        if self._mask is not None:
-            trained_BT = torch.from_numpy(self._mask[index_BT1[:, 1:]].astype(bool))
-            labels_BT[~trained_BT] = IGNORE_INDEX
+        labels_BT[~torch.from_numpy(trained_BT)] = IGNORE_INDEX
         input_ids_BT = tokens_BT1[:, :-1].contiguous()
         return {"input_ids": input_ids_BT, "labels": labels_BT, "position_ids": self._position_ids(input_ids_BT)}
 
@@ -274,11 +357,35 @@ class PackedLoader:
         start_BT[:, 1:] = input_ids_BT[:, :-1] == self._eos_id
         return t_BT - torch.where(start_BT, t_BT, 0).cummax(dim=1).values
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def mixture_metrics(self) -> dict[str, float]:
+        """Realised share of each source's windows over all global batches so far ({} without a mixture)."""
+        if len(self._sources) == 1 or not self._drawn:
+            return {}
+        return {f"data/share/{src.name}": n / self._drawn for src, n in zip(self._sources, self._windows)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+    def state_dict(self) -> dict:
+        """{"epoch", "position"}; a mixture adds "sources": {name: {"epoch", "position", "windows"}}."""
+        state: dict = {"epoch": self.epoch, "position": self.position}
+        if len(self._sources) > 1:
+            state["sources"] = {src.name: {"epoch": order.epoch, "position": order.position, "windows": n}
+                                for src, order, n in zip(self._sources, self._orders, self._windows)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        names = [src.name for src in self._sources]
+        saved = sorted(state.get("sources", {}))
+        if (len(names) > 1 and saved != sorted(names)) or (len(names) == 1 and saved):
+            raise ValueError(f"the checkpoint's data loader state has the sources {saved or 'of one data.path'}, "
+                             f"and this run reads {sorted(names) if len(names) > 1 else 'one data.path'}; resume "
+                             "with the checkpointed run's data.path / data.sources")
+        if len(names) == 1:
+            self._orders[0].epoch, self._orders[0].position = int(state["epoch"]), int(state["position"])
+            return
+        self._drawn = int(state["position"])
+        for s, (name, order) in enumerate(zip(names, self._orders)):
+            source = state["sources"][name]
+            order.epoch, order.position = int(source["epoch"]), int(source["position"])
+            self._windows[s] = int(source["windows"])
 
 
 def _check_trained_tokens(cfg: DataConfig, path: Path, mask: np.ndarray) -> None:
@@ -302,17 +409,21 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
     if local_batch_size <= 0 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need local_batch_size > 0 and 0 <= dp_rank < dp_size, got "
                          f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
-    path = _source_path(cfg)
     if cfg.name == "tokens":
-        ids, mask = _load_tokens(path), None
-        vocab_size, eos_id = int(ids.max()) + 1, cfg.eos_id
+        sources, vocab_size, eos_id = [], 0, cfg.eos_id
+        configs = cfg.sources or [SourceConfig(path=cfg.path)]
+        for (key, path), name, src in zip(_token_paths(cfg), source_names(configs), configs):
+            ids, vocab = load_token_stream(path, cfg.bin_dtype, cfg.cache_dir, key)
+            sources.append(Source(name, ids, weight=src.weight))
+            vocab_size = max(vocab_size, vocab)
     else:
+        path = _source_path(cfg)
         ids, mask = _tokenized_stream(cfg, path, tokenizer)
         _check_trained_tokens(cfg, path, mask)
-        mask = mask if cfg.mask_non_assistant else None
+        sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None)]
         tok = QwenTokenizer(tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
-    return PackedLoader(ids, mask, seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
+    return PackedLoader(sources, seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
                         local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                         eos_id=eos_id if cfg.document_mask else None)
 

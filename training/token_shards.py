@@ -1,0 +1,156 @@
+"""Pre-tokenized data at scale: shards read as one memory-mapped stream, validated once, and window orders.
+
+``data.path`` of ``data=tokens`` (or a ``data.sources`` entry's path) is one file, a directory (its .npy and .bin
+files) or a glob. The shards, in sorted path order, form one virtual stream: a document runs on across a shard
+boundary unless the shard ends in ``data.eos_id``. Shards are memory-mapped and never read whole, except once per
+shard (size, mtime) for the id range, whose result is cached in ``<data.cache_dir>/token-shards.json``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import numpy as np
+
+from training.checkpoint import atomic_write_text
+
+SHARD_SUFFIXES = (".npy", ".bin")
+BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids
+_STATS_CACHE = "token-shards.json"
+_SCAN_BLOCK = 1 << 24  # ids per block of the one validating pass over a shard
+_GLOB_CHARS = "*?["
+
+
+def shard_paths(path: str, key: str = "data.path") -> list[Path]:
+    """The shard files ``path`` names (one file, a directory's .npy/.bin files, or a glob), in sorted order."""
+    if any(c in path for c in _GLOB_CHARS):
+        files = sorted(Path(p) for p in glob.glob(path) if Path(p).is_file())
+    elif Path(path).is_dir():
+        files = sorted(p for p in Path(path).iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
+    elif Path(path).is_file():
+        files = [Path(path)]
+    else:
+        raise FileNotFoundError(f"{key}: no such file or directory {path}")
+    if not files:
+        raise ValueError(f"{key}={path} holds no .npy or .bin shard; point {key} at a file, a directory or a glob "
+                         "of token shards")
+    wrong = [str(p) for p in files if p.suffix not in SHARD_SUFFIXES]
+    if wrong == [path]:
+        raise ValueError(f"{key}={path} must be a .npy array or a raw .bin file (dtype: data.bin_dtype) of token ids")
+    if wrong:
+        raise ValueError(f"{key}={path} matches {wrong[0]}, which is not a .npy or .bin token shard; narrow the glob")
+    return files
+
+
+def open_shard(path: Path, bin_dtype: str) -> np.ndarray:
+    """One shard, memory-mapped: a 1-D integer .npy or raw little-endian ``bin_dtype`` ids; ValueError names it."""
+    try:
+        if path.suffix == ".npy":
+            ids = np.load(path, mmap_mode="r")
+        else:
+            itemsize, size = np.dtype(bin_dtype).itemsize, path.stat().st_size
+            if size == 0 or size % itemsize:
+                raise ValueError(f"token shard {path}: {size} bytes is not a positive multiple of {itemsize} "
+                                 f"(data.bin_dtype={bin_dtype}); set data.bin_dtype to the file's dtype")
+            ids = np.memmap(path, dtype=np.dtype(bin_dtype).newbyteorder("<"), mode="r")
+    except (OSError, EOFError) as e:
+        raise ValueError(f"token shard {path} is unreadable ({e})") from None
+    except ValueError as e:
+        if str(e).startswith("token shard"):
+            raise
+        raise ValueError(f"token shard {path} is not a valid .npy array ({e})") from None
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size == 0:
+        got = f"{ids.dtype} {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
+        raise ValueError(f"token shard {path}: expected a non-empty 1-D integer array, got {got}")
+    return ids
+
+
+def scan_ids(ids: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a shard in one blockwise pass."""
+    lo, hi = None, None
+    for start in range(0, ids.size, _SCAN_BLOCK):
+        block = ids[start : start + _SCAN_BLOCK]
+        lo = int(block.min()) if lo is None else min(lo, int(block.min()))
+        hi = int(block.max()) if hi is None else max(hi, int(block.max()))
+    return lo, hi
+
+
+def _cache_key(path: Path, ids: np.ndarray) -> str:
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{ids.dtype.str}"
+
+
+def max_token_id(paths: list[Path], shards: list[np.ndarray], cache_dir: str) -> int:
+    """The largest id of all shards, checking each is non-negative. A shard is scanned only when the cache
+    (keyed by its absolute path, size, mtime and dtype) does not hold it yet."""
+    cache = Path(cache_dir) / _STATS_CACHE
+    try:
+        stats = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        stats = {}
+    stats = stats if isinstance(stats, dict) else {}
+    keys = [_cache_key(path, ids) for path, ids in zip(paths, shards)]
+    fresh = False
+    for path, ids, key in zip(paths, shards, keys):
+        if key not in stats:
+            prefix = f"{path.resolve()}|"  # drop the entry of the shard as it was before a change
+            stats = {k: v for k, v in stats.items() if not k.startswith(prefix)}
+            stats[key], fresh = scan_ids(ids), True
+        if stats[key][0] < 0:
+            raise ValueError(f"token shard {path}: token ids must be non-negative, found {stats[key][0]}")
+    if fresh:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cache, json.dumps(stats))
+    return max(stats[key][1] for key in keys)
+
+
+class TokenStream:
+    """Shards concatenated in order as one read-only 1-D id sequence; indexable with an integer array of any shape."""
+
+    def __init__(self, shards: list[np.ndarray]) -> None:
+        self._shards = shards
+        self._starts = np.cumsum([0] + [len(s) for s in shards])  # [shards + 1] offset of each shard
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index, dtype=np.int64)
+        shard = np.searchsorted(self._starts, index, side="right") - 1
+        out = np.empty(index.shape, dtype=np.int64)
+        for s in np.unique(shard):
+            at = shard == s
+            out[at] = self._shards[s][index[at] - self._starts[s]]
+        return out
+
+
+def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "data.path") -> tuple[TokenStream, int]:
+    """The token stream of ``path``'s shards and its vocabulary size (largest id + 1)."""
+    paths = shard_paths(path, key)
+    shards = [open_shard(p, bin_dtype) for p in paths]
+    return TokenStream(shards), max_token_id(paths, shards, cache_dir) + 1
+
+
+class WindowOrder:
+    """A source's windows in a seeded per-epoch permutation, handed out in runs; a run never straddles two epochs
+    (the tail of an epoch shorter than the run is skipped)."""
+
+    def __init__(self, num_windows: int, seed_key: tuple[int, ...]) -> None:
+        self.num_windows = num_windows
+        self._seed_key = seed_key  # the permutation of epoch e is seeded by [*seed_key, e]
+        self.epoch = 0
+        self.position = 0  # index in this epoch's order of the next window
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def take(self, n: int) -> np.ndarray:
+        """The next ``n`` windows (n <= num_windows)."""
+        if self.position + n > self.num_windows:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._order_epoch != self.epoch:
+            self._order = np.random.default_rng([*self._seed_key, self.epoch]).permutation(self.num_windows)
+            self._order_epoch = self.epoch
+        windows = self._order[self.position : self.position + n]
+        self.position += n
+        return windows
