@@ -21,10 +21,17 @@ Letters as in DEVELOPERS.md: B the local batch, T seq_len, T1 = seq_len + 1.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.resources
 import itertools
 import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +42,15 @@ import torch
 from core.constants import IGNORE_INDEX
 from training.checkpoint import atomic_write
 from training.token_shards import BIN_DTYPES, TokenStream, WindowOrder, load_token_stream, shard_paths
-from training.tokenizer import CHAT_ROLES, TOKENIZERS, QwenTokenizer
+from training.tokenize_shards import Doc, chat_doc, tokenize_to_shards
+from training.tokenizer import TOKENIZERS, QwenTokenizer
 
 _NAMES = ("chitchat", "jsonl", "tokens")
 _CACHE_VERSION = 2  # bump when the rendering or the validation of documents changes (2: roles, field types)
-_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
-               bool: "a boolean", type(None): "null"}
-_MESSAGE = '{"role": ..., "content": ...}'
+_TOKENIZE_WORKERS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+_CACHE_DOCS_PER_SHARD = 10_000  # jsonl documents per shard of the cache's tokenization (one process each)
 
-Doc = tuple[list[int], list[bool]]  # token ids, loss mask (True = trained)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,16 +151,6 @@ def _token_paths(cfg: DataConfig) -> list[tuple[str, str]]:
     return [(f"data.sources[{i}].path", src.path) for i, src in enumerate(cfg.sources)]
 
 
-def _text_doc(tok: QwenTokenizer, text: str) -> Doc:
-    ids = tok.encode(text) + [tok.eos_id]
-    return ids, [True] * len(ids)
-
-
-def _chat_doc(tok: QwenTokenizer, messages: list[dict]) -> Doc:
-    ids, mask = tok.render_chat(messages)
-    return ids + [tok.eos_id], mask + [False]
-
-
 def _chitchat_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
     """One ChatML document per conversation: the speakers alternate user / assistant (the first one is
     the user) and a speaker's consecutive messages are joined with newlines."""
@@ -161,92 +158,76 @@ def _chitchat_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
         utterances = [u for group in conv["messages"] for u in group]
         runs = itertools.groupby(utterances, key=lambda u: u["sender"])
         turns = ["\n".join(u["text"] for u in run) for _, run in runs]
-        yield _chat_doc(tok, [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)])
-
-
-def _check_message(i: int, msg: object) -> None:
-    """Raise ValueError unless ``msg`` is {"role": one of CHAT_ROLES, "content": a string}."""
-    if not isinstance(msg, dict):
-        raise ValueError(f"messages[{i}] must be an object {_MESSAGE}, got {_JSON_TYPES[type(msg)]}")
-    for key in ("role", "content"):
-        if key not in msg:
-            raise ValueError(f"messages[{i}] has no {key!r}; every message is an object {_MESSAGE} of strings")
-        if not isinstance(msg[key], str):
-            raise ValueError(f"messages[{i}].{key} must be a string, got {_JSON_TYPES[type(msg[key])]}")
-    if msg["role"] not in CHAT_ROLES:
-        raise ValueError(f"messages[{i}].role {msg['role']!r} is unknown; use one of {', '.join(CHAT_ROLES)} "
-                         "(lowercase, the chat template's roles)")
-
-
-def _jsonl_row(row: object) -> str | list[dict]:
-    """The text or the chat messages of one parsed jsonl row; ValueError says what is wrong and what is expected."""
-    if not isinstance(row, dict):
-        raise ValueError(f"expected a JSON object with a 'text' or a 'messages' field, got {_JSON_TYPES[type(row)]}")
-    if "text" in row and "messages" in row:
-        raise ValueError("the object has both 'text' and 'messages'; give one of them (a document or a chat)")
-    if "text" in row:
-        if not isinstance(row["text"], str):
-            raise ValueError(f"'text' must be a string, got {_JSON_TYPES[type(row['text'])]}")
-        return row["text"]
-    if "messages" in row:
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            got = "an empty list" if messages == [] else _JSON_TYPES[type(messages)]
-            raise ValueError(f"'messages' must be a non-empty list of {_MESSAGE} objects, got {got}")
-        for i, msg in enumerate(messages):
-            _check_message(i, msg)
-        return messages
-    raise ValueError(f"expected a 'text' or a 'messages' field, got fields {list(row)}")
-
-
-def _jsonl_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
-    """One document per line: {"text": ...} or {"messages": [{"role", "content"}, ...]}; errors name the line."""
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path} line {lineno}: not UTF-8: bytes {raw[e.start:e.end]!r} at byte {e.start} "
-                                 "of the line; save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = _jsonl_row(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno}: invalid JSON ({e.msg} at column {e.pos + 1}); expected one "
-                                 "JSON object per line") from None
-            except ValueError as e:
-                raise ValueError(f"{path} line {lineno}: {e}") from None
-            yield _text_doc(tok, row) if isinstance(row, str) else _chat_doc(tok, row)
+        yield chat_doc(tok, [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)])
 
 
 def _tokenized_stream(cfg: DataConfig, path: Path, tokenizer: str) -> np.ndarray:
     """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache (keyed by the file's contents and the
-    tokenizer) or tokenized and cached."""
+    tokenizer) or tokenized and cached. jsonl is tokenized by ``training.tokenize_shards`` over
+    min(4, CPUs) processes into ``<cache>.shards/`` (an interrupted start-up resumes there), then joined into the
+    cache file; processes sharing the cache directory take turns (a file lock), so the corpus is tokenized once."""
     with path.open("rb") as f:
         digest = hashlib.file_digest(f, "sha256")
+    source_sha256 = digest.hexdigest()
     digest.update(f"|v{_CACHE_VERSION}|{cfg.name}|{tokenizer}".encode())
     cache = Path(cfg.cache_dir) / f"{cfg.name}-{tokenizer}-{digest.hexdigest()[:16]}.npy"
     if cache.exists():
         return np.load(cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with _cache_lock(cache) as locked:
+        if cache.exists():  # another process tokenized it while this one waited
+            return np.load(cache)
+        if cfg.name == "chitchat":
+            stream = _join(_chitchat_docs(path, QwenTokenizer(tokenizer)))
+        else:
+            shards = cache.with_name(cache.stem + ".shards")
+            start = time.monotonic()
+            manifest = tokenize_to_shards(path, shards, tokenizer, workers=_TOKENIZE_WORKERS,
+                                          docs_per_shard=_CACHE_DOCS_PER_SHARD, source_sha256=source_sha256)
+            stream = manifest.stream(shards)
+            logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", path,
+                        sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
+                        len(manifest.shards))
 
-    tok = QwenTokenizer(tokenizer)
-    docs = _chitchat_docs(path, tok) if cfg.name == "chitchat" else _jsonl_docs(path, tok)
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
+                np.save(f, stream)
+
+        atomic_write(cache, write)
+        if cfg.name != "chitchat" and locked:  # unlocked, another process may still be writing shards there
+            shutil.rmtree(shards, ignore_errors=True)
+    return stream
+
+
+def _join(docs: Iterator[Doc]) -> np.ndarray:
     ids: list[int] = []
     mask: list[bool] = []
     for doc_ids, doc_mask in docs:
         ids += doc_ids
         mask += doc_mask
-    stream = np.array([ids, mask], dtype=np.uint32)
+    return np.array([ids, mask], dtype=np.uint32).reshape(2, -1)
 
-    cache.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
-            np.save(f, stream)
-
-    atomic_write(cache, write)
-    return stream
+@contextlib.contextmanager
+def _cache_lock(cache: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on ``<cache>.lock`` (yields True), or yield False where the file system has none."""
+    with open(cache.with_name(cache.stem + ".lock"), "a") as f:
+        # a multiprocessing child (a worker re-running an unguarded script) must not wait for its parent's lock
+        # (_inheriting: multiprocessing's own mark of a spawned child importing its parent's __main__)
+        child = multiprocessing.parent_process() is not None or getattr(multiprocessing.current_process(),
+                                                                         "_inheriting", False)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (fcntl.LOCK_NB if child else 0))
+        except BlockingIOError:
+            raise RuntimeError(f"{cache} is being tokenized by this process's parent: a script that builds the data "
+                               "loader must guard its code with `if __name__ == \"__main__\":`") from None
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dataclass

@@ -1,0 +1,51 @@
+"""Tokenize a jsonl corpus into shards over worker processes, resumably, with a manifest.
+
+    python scripts/tokenize.py INPUT.jsonl OUT_DIR [--tokenizer qwen3] [--workers N] [--docs-per-shard K]
+
+One document per line, as data=jsonl reads them ({"text": ...} or {"messages": [...]}). Writes
+``OUT_DIR/shard_00000.npy``, ... ([2, n] uint32: token ids, trained mask) and ``OUT_DIR/manifest.json`` (source
+sha256, tokenizer, per shard its lines, documents, tokens, trained tokens and sha256; totals). Re-running the same
+command after an interruption redoes only the shards that are missing or do not match the manifest. A progress
+line on stderr shows shards, tokens, tokens/s and the ETA. See ``training.tokenize_shards``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+# runnable as `python scripts/tokenize.py`: the repository instead of scripts/, whose tokenize.py would shadow the
+# standard library's tokenize module
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from training.tokenize_shards import tokenize_to_shards  # noqa: E402
+from training.tokenizer import TOKENIZERS  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", type=Path, help="a .jsonl file, one document per line")
+    parser.add_argument("out_dir", type=Path, help="the directory of the shards and manifest.json")
+    parser.add_argument("--tokenizer", default="qwen3", choices=TOKENIZERS, help="the model's tokenizer")
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                        help="tokenizing processes (default: min(4, CPUs))")
+    parser.add_argument("--docs-per-shard", type=int, default=10_000, help="documents (non-blank lines) per shard")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    args = parser.parse_args()
+    from training.launch import one_line_errors  # here: spawned workers re-import this file and need no torch
+
+    with one_line_errors():
+        start = time.monotonic()
+        manifest = tokenize_to_shards(args.input, args.out_dir, args.tokenizer, workers=args.workers,
+                                      docs_per_shard=args.docs_per_shard, progress=not args.no_progress)
+        seconds = time.monotonic() - start
+        totals = manifest.totals
+        print(f"{len(manifest.shards)} shards, {totals['documents']:,} documents, {totals['tokens']:,} tokens "
+              f"({totals['trained_tokens']:,} trained) in {args.out_dir}; {seconds:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

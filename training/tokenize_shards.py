@@ -1,0 +1,322 @@
+"""Tokenize a jsonl corpus over worker processes into shards, resumably, with a manifest.
+
+One document per line: ``{"text": ...}`` or ``{"messages": [{"role", "content"}, ...]}`` (blank lines are skipped).
+A text is encoded and followed by <|endoftext|>, all trained; a chat is rendered with the ChatML template (only
+assistant turns trained) and followed by an untrained <|endoftext|>.
+
+The input is cut into contiguous line ranges of ``docs_per_shard`` non-blank lines; shard i (its line range only)
+becomes ``<out_dir>/shard_<i:05d>.npy``, a [2, n] uint32 array (token ids, trained mask), so the shards
+concatenated in order are the single-process stream of the whole file, whatever the number of workers. Each
+shard is written atomically, and ``<out_dir>/manifest.json`` (source and its sha256, tokenizer, each finished shard's
+line range, documents, tokens, trained tokens and sha256, and the totals once all are done) is rewritten atomically
+after every shard: a re-run skips the shards the manifest lists whose files still match their sha256, so an
+interrupted run resumes where it stopped. Used by ``scripts/tokenize.py`` and the data=jsonl cache
+(``training.data``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from training.tokenizer import CHAT_ROLES, TOKENIZERS, QwenTokenizer
+
+MANIFEST = "manifest.json"
+_FORMAT = 1  # bump when the manifest or the shard layout changes
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+_MESSAGE = '{"role": ..., "content": ...}'
+
+Doc = tuple[list[int], list[bool]]  # token ids, loss mask (True = trained)
+
+
+def text_doc(tok: QwenTokenizer, text: str) -> Doc:
+    ids = tok.encode(text) + [tok.eos_id]
+    return ids, [True] * len(ids)
+
+
+def chat_doc(tok: QwenTokenizer, messages: list[dict]) -> Doc:
+    ids, mask = tok.render_chat(messages)
+    return ids + [tok.eos_id], mask + [False]
+
+
+def _check_message(i: int, msg: object) -> None:
+    """Raise ValueError unless ``msg`` is {"role": one of CHAT_ROLES, "content": a string}."""
+    if not isinstance(msg, dict):
+        raise ValueError(f"messages[{i}] must be an object {_MESSAGE}, got {_JSON_TYPES[type(msg)]}")
+    for key in ("role", "content"):
+        if key not in msg:
+            raise ValueError(f"messages[{i}] has no {key!r}; every message is an object {_MESSAGE} of strings")
+        if not isinstance(msg[key], str):
+            raise ValueError(f"messages[{i}].{key} must be a string, got {_JSON_TYPES[type(msg[key])]}")
+    if msg["role"] not in CHAT_ROLES:
+        raise ValueError(f"messages[{i}].role {msg['role']!r} is unknown; use one of {', '.join(CHAT_ROLES)} "
+                         "(lowercase, the chat template's roles)")
+
+
+def jsonl_row(row: object) -> str | list[dict]:
+    """The text or the chat messages of one parsed jsonl row; ValueError says what is wrong and what is expected."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object with a 'text' or a 'messages' field, got {_JSON_TYPES[type(row)]}")
+    if "text" in row and "messages" in row:
+        raise ValueError("the object has both 'text' and 'messages'; give one of them (a document or a chat)")
+    if "text" in row:
+        if not isinstance(row["text"], str):
+            raise ValueError(f"'text' must be a string, got {_JSON_TYPES[type(row['text'])]}")
+        return row["text"]
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            got = "an empty list" if messages == [] else _JSON_TYPES[type(messages)]
+            raise ValueError(f"'messages' must be a non-empty list of {_MESSAGE} objects, got {got}")
+        for i, msg in enumerate(messages):
+            _check_message(i, msg)
+        return messages
+    raise ValueError(f"expected a 'text' or a 'messages' field, got fields {list(row)}")
+
+
+def jsonl_docs(path: Path, tok: QwenTokenizer, start: int = 0, stop: int | None = None,
+               first_line: int = 1) -> Iterator[Doc]:
+    """One document per non-blank line of bytes [start, stop) of ``path`` (line ``first_line`` at ``start``);
+    errors name the file and the line."""
+    with path.open("rb") as f:
+        f.seek(start)
+        lineno, offset = first_line - 1, start
+        for raw in f:
+            if stop is not None and offset >= stop:
+                break
+            lineno, offset = lineno + 1, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} line {lineno}: not UTF-8: bytes {raw[e.start:e.end]!r} at byte {e.start} "
+                                 "of the line; save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                row = jsonl_row(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {lineno}: invalid JSON ({e.msg} at column {e.pos + 1}); expected one "
+                                 "JSON object per line") from None
+            except ValueError as e:
+                raise ValueError(f"{path} line {lineno}: {e}") from None
+            yield text_doc(tok, row) if isinstance(row, str) else chat_doc(tok, row)
+
+
+@dataclass
+class Shard:
+    """One shard of the manifest: its file, its lines (first, last; 1-based) and bytes [start, stop) of the source,
+    and, once written, its counts and sha256."""
+    file: str
+    lines: list[int]
+    bytes: list[int]
+    documents: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    sha256: str = ""
+
+
+@dataclass
+class Manifest:
+    source: str
+    source_sha256: str
+    source_bytes: int
+    tokenizer: str
+    docs_per_shard: int
+    shards: list[Shard]  # every shard of the plan; done: those written (sha256 set)
+    layout: str = "[2, n] uint32: token ids, trained mask (1 = trained)"
+    format: int = _FORMAT
+    totals: dict = field(default_factory=dict)  # documents, tokens, trained_tokens once every shard is done
+
+    @property
+    def complete(self) -> bool:
+        return all(s.sha256 for s in self.shards)
+
+    def stream(self, out_dir: Path) -> np.ndarray:
+        """The [2, N] uint32 concatenation of the shards in order (the whole corpus)."""
+        parts = [np.load(out_dir / s.file) for s in self.shards]
+        return np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), dtype=np.uint32)
+
+
+def _file_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _plan(source: Path, docs_per_shard: int) -> list[Shard]:
+    """Contiguous line ranges of ``docs_per_shard`` non-blank lines each (the last one to the end of the file)."""
+    starts: list[tuple[int, int]] = []  # (line, byte) of each shard's first line
+    nonblank, lineno, offset = 0, 0, 0
+    with source.open("rb") as f:
+        for raw in f:
+            lineno += 1
+            if raw.strip():
+                if nonblank % docs_per_shard == 0:
+                    starts.append((lineno, offset) if starts else (1, 0))
+                nonblank += 1
+            offset += len(raw)
+    ends = [(line - 1, byte) for line, byte in starts[1:]] + [(lineno, offset)]
+    return [Shard(f"shard_{i:05d}.npy", [line, end_line], [byte, end_byte])
+            for i, ((line, byte), (end_line, end_byte)) in enumerate(zip(starts, ends))]
+
+
+_worker_tok: QwenTokenizer | None = None
+
+
+def _init_worker(tokenizer: str) -> None:
+    global _worker_tok
+    _worker_tok = QwenTokenizer(tokenizer)
+
+
+def _tokenize_shard(job: tuple[str, dict]) -> tuple[dict, np.ndarray]:
+    """One shard's manifest entry (its counts) and its [2, n] uint32 array, tokenized from its bytes of the source."""
+    source, shard = Path(job[0]), Shard(**job[1])
+    ids: list[int] = []
+    mask: list[bool] = []
+    documents = 0
+    for doc_ids, doc_mask in jsonl_docs(source, _worker_tok, shard.bytes[0], shard.bytes[1], shard.lines[0]):
+        ids += doc_ids
+        mask += doc_mask
+        documents += 1
+    array = np.array([ids, mask], dtype=np.uint32).reshape(2, -1)
+    return asdict(Shard(shard.file, shard.lines, shard.bytes, documents, len(ids), int(array[1].sum()))), array
+
+
+def _write_shard(path: Path, array: np.ndarray) -> str:
+    """Write ``array`` atomically as the .npy ``path``; its sha256."""
+    from training.checkpoint import atomic_write  # here, not at the top: the workers need no torch
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
+            np.save(f, array)
+
+    atomic_write(path, write)
+    return _file_sha256(path)
+
+
+class _Progress:
+    """One stderr line, rewritten as shards finish: shards, tokens, tokens/s, ETA."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.start = total, enabled, time.monotonic()
+        self.done = self.tokens = self.bytes = 0
+
+    def update(self, shard: Shard, todo_bytes: int) -> None:
+        self.done, self.tokens, self.bytes = self.done + 1, self.tokens + shard.tokens, self.bytes + (
+            shard.bytes[1] - shard.bytes[0])
+        if not self.enabled:
+            return
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        eta = elapsed * (todo_bytes - self.bytes) / max(self.bytes, 1)  # by source bytes: shards differ in size
+        line = (f"shards {self.done}/{self.total}  {self.tokens:,} tokens  {self.tokens / elapsed:,.0f} tokens/s  "
+                f"ETA {eta:.0f}s")
+        tty = sys.stderr.isatty()  # a terminal: one line rewritten in place; a log file: a line per shard
+        print(f"\r{line}   " if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.done and sys.stderr.isatty():
+            print(file=sys.stderr, flush=True)
+
+
+def _resumable(out_dir: Path, manifest: Manifest) -> dict[str, Shard]:
+    """The shards of a previous run into ``out_dir`` of the same plan whose files still match their sha256;
+    ValueError if ``out_dir`` holds another source's or tokenizer's manifest."""
+    try:
+        old = json.loads((out_dir / MANIFEST).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{out_dir / MANIFEST} is unreadable ({e}); delete it (and the shards) to start over") \
+            from None
+    keys = ("format", "source_sha256", "tokenizer", "docs_per_shard")
+    theirs = {k: old.get(k) for k in keys}
+    ours = {k: getattr(manifest, k) for k in keys}
+    if theirs != ours:
+        diff = ", ".join(f"{k}: {theirs[k]!r} there, {ours[k]!r} now" for k in keys if theirs[k] != ours[k])
+        raise ValueError(f"{out_dir} holds shards of another tokenization ({diff}); use an empty directory or "
+                         "delete that one")
+    plan = {s.file: s for s in manifest.shards}
+    done = {}
+    for entry in old.get("shards", []):
+        shard = Shard(**entry)
+        mine = plan.get(shard.file)
+        if (shard.sha256 and mine is not None and (mine.lines, mine.bytes) == (shard.lines, shard.bytes)
+                and (out_dir / shard.file).is_file() and _file_sha256(out_dir / shard.file) == shard.sha256):
+            done[shard.file] = shard
+    return done
+
+
+def _write_manifest(out_dir: Path, manifest: Manifest) -> None:
+    from training.checkpoint import atomic_write_text  # here, not at the top: the workers need no torch
+
+    if manifest.complete:
+        manifest.totals = {k: sum(getattr(s, k) for s in manifest.shards)
+                           for k in ("documents", "tokens", "trained_tokens")}
+    atomic_write_text(out_dir / MANIFEST, json.dumps(asdict(manifest), indent=1) + "\n")
+
+
+def tokenize_to_shards(source: Path, out_dir: Path, tokenizer: str, *, workers: int = 1,
+                       docs_per_shard: int = 10_000, progress: bool = False, source_sha256: str | None = None,
+                       max_shards: int | None = None) -> Manifest:
+    """Tokenize the jsonl file ``source`` into ``out_dir`` (see the module docstring) over ``workers`` processes
+    (1: in this process); resumes from the shards a previous run finished. ``max_shards`` stops after that many
+    new shards (an interrupted run, for tests). Returns the manifest as written."""
+    source, out_dir = Path(source), Path(out_dir)
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be at least 1")
+    if docs_per_shard < 1:
+        raise ValueError(f"docs_per_shard={docs_per_shard} must be at least 1")
+    if not source.is_file():
+        raise FileNotFoundError(f"no such file {source} (a .jsonl corpus)")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer {tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+    manifest = Manifest(str(source), source_sha256 or _file_sha256(source), source.stat().st_size, tokenizer,
+                        docs_per_shard, _plan(source, docs_per_shard))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = _resumable(out_dir, manifest)
+    manifest.shards = [done.get(s.file, s) for s in manifest.shards]
+    todo = [s for s in manifest.shards if not s.sha256][:max_shards]
+    index = {s.file: i for i, s in enumerate(manifest.shards)}
+    bar = _Progress(len(todo), progress)
+    todo_bytes = sum(s.bytes[1] - s.bytes[0] for s in todo)
+    jobs = [(str(source), asdict(s)) for s in todo]
+    _write_manifest(out_dir, manifest)
+
+    def finish(result: tuple[dict, np.ndarray]) -> None:
+        shard = Shard(**result[0])
+        shard.sha256 = _write_shard(out_dir / shard.file, result[1])
+        manifest.shards[index[shard.file]] = shard
+        _write_manifest(out_dir, manifest)
+        bar.update(shard, todo_bytes)
+
+    try:
+        if workers == 1 or len(jobs) <= 1:
+            _init_worker(tokenizer)
+            for job in jobs:
+                finish(_tokenize_shard(job))
+        else:
+            # spawn: the parent may hold threads or a device context that a forked child must not inherit. An
+            # executor, not a Pool: a worker that dies (e.g. a script without a __main__ guard) fails, not hangs.
+            ctx = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
+                                     initargs=(tokenizer,)) as pool:
+                try:
+                    for future in as_completed([pool.submit(_tokenize_shard, job) for job in jobs]):
+                        finish(future.result())
+                except BrokenProcessPool as e:
+                    raise RuntimeError(f"a tokenizing worker process died ({e}); a script that starts them must "
+                                       "guard its code with `if __name__ == \"__main__\":`, or use workers=1") \
+                        from None
+    finally:
+        bar.close()
+    return manifest
