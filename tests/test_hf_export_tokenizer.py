@@ -276,7 +276,7 @@ def test_the_data_cache_is_per_tokenizer(tmp_path):
                      cache_dir=str(tmp_path / "cache"))
     loaders = {name: build_data_loader(cfg, seed=0, local_batch_size=1, dp_rank=0, dp_size=1, tokenizer=name)
                for name in VOCABS}
-    assert sorted(p.name.split("-")[1] for p in (tmp_path / "cache").iterdir()) == VOCABS
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "cache").glob("*.npy")) == VOCABS
     assert {name: loader.vocab_size for name, loader in loaders.items()} == {"qwen3": 151_669, "qwen3_5": 248_077}
     with pytest.raises(ValueError, match="tokenizes its text with the model's tokenizer"):
         build_data_loader(cfg, seed=0, local_batch_size=1, dp_rank=0, dp_size=1, tokenizer=None)

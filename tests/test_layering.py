@@ -13,6 +13,7 @@ Layers, bottom first; a file may import its own layer and those below it:
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,3 +95,10 @@ def test_a_lazy_upward_import_is_caught(tmp_path: Path) -> None:
         "    import importlib\n    return importlib.import_module('training.data')\n")
     assert upward_imports(tmp_path) == ["kernels/x.py:7 imports models.layers (kernels -> models)",
                                         "kernels/x.py:9 imports training.data (kernels -> training)"]
+
+
+def test_no_script_shadows_a_standard_library_module() -> None:
+    # `python scripts/x.py` puts scripts/ first on sys.path: a scripts/tokenize.py would be imported by linecache
+    # (through inspect, dataclasses, ...) in place of the standard library's tokenize, breaking every script
+    shadowing = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.stem in sys.stdlib_module_names)
+    assert not shadowing, f"scripts named like standard library modules: {shadowing}; rename them"

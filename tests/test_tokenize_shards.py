@@ -1,4 +1,4 @@
-"""training.tokenize_shards and scripts/tokenize.py: shards over worker processes equal the single-process stream,
+"""training.tokenize_shards and scripts/pretokenize.py: shards over worker processes equal the single-process stream,
 resume redoes only what is missing, errors name the file and line, the CLI writes the manifest."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_jsonl_cache_uses_the_shards_and_matches(tmp_path: Path, monkeypatch: py
 
 def test_cli_end_to_end(tmp_path: Path) -> None:
     src, out = _corpus(tmp_path / "c.jsonl"), tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts" / "tokenize.py"), str(src), str(out), "--tokenizer", "qwen3",
+    cmd = [sys.executable, str(ROOT / "scripts" / "pretokenize.py"), str(src), str(out), "--tokenizer", "qwen3",
            "--workers", "2", "--docs-per-shard", "100"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

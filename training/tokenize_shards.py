@@ -10,7 +10,7 @@ concatenated in order are the single-process stream of the whole file, whatever 
 shard is written atomically, and ``<out_dir>/manifest.json`` (source and its sha256, tokenizer, each finished shard's
 line range, documents, tokens, trained tokens and sha256, and the totals once all are done) is rewritten atomically
 after every shard: a re-run skips the shards the manifest lists whose files still match their sha256, so an
-interrupted run resumes where it stopped. Used by ``scripts/tokenize.py`` and the data=jsonl cache
+interrupted run resumes where it stopped. Used by ``scripts/pretokenize.py`` and the data=jsonl cache
 (``training.data``).
 """
 

@@ -1,6 +1,6 @@
 """Tokenize a jsonl corpus into shards over worker processes, resumably, with a manifest.
 
-    python scripts/tokenize.py INPUT.jsonl OUT_DIR [--tokenizer qwen3] [--workers N] [--docs-per-shard K]
+    python scripts/pretokenize.py INPUT.jsonl OUT_DIR [--tokenizer qwen3] [--workers N] [--docs-per-shard K]
 
 One document per line, as data=jsonl reads them ({"text": ...} or {"messages": [...]}). Writes
 ``OUT_DIR/shard_00000.npy``, ... ([2, n] uint32: token ids, trained mask) and ``OUT_DIR/manifest.json`` (source
@@ -17,9 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-# runnable as `python scripts/tokenize.py`: the repository instead of scripts/, whose tokenize.py would shadow the
-# standard library's tokenize module
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as `python scripts/pretokenize.py`
 
 from training.tokenize_shards import tokenize_to_shards  # noqa: E402
 from training.tokenizer import TOKENIZERS  # noqa: E402
