@@ -16,11 +16,28 @@ import torch
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
+NPU_EXTRA = "pip install '.[npu]' (torch-npu of torch's own version, with its CANN: README, Ascend NPUs)"
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def _import_torch_npu():
+    """torch_npu, which registers torch.npu. Each torch-npu release is built against one torch minor: another
+    minor fails later in obscure ways, so a mismatch is refused here, naming both."""
+    import torch_npu
+
+    if _minor(torch_npu.__version__) != _minor(torch.__version__):
+        raise RuntimeError(f"torch-npu {torch_npu.__version__} is built for torch {_minor(torch_npu.__version__)}, "
+                           f"but torch is {torch.__version__}: {NPU_EXTRA}")
+    return torch_npu
+
+
 def _npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
-
+    _import_torch_npu()
     return torch.npu.is_available()
 
 
@@ -36,14 +53,14 @@ def device_type(requested: str = "auto") -> str:
     if requested == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
     if requested == "npu" and not _npu_available():
-        raise RuntimeError("train.device=npu but torch_npu is missing or sees no NPU; pip install '.[npu]'")
+        raise RuntimeError(f"train.device=npu but torch_npu is missing or sees no NPU; {NPU_EXTRA}")
     return requested
 
 
 def module(dev_type: str):
     """The torch submodule for an accelerator (``torch.cuda`` / ``torch.npu``)."""
     if dev_type == "npu":
-        import torch_npu  # noqa: F401
+        _import_torch_npu()
     return getattr(torch, dev_type)
 
 
@@ -79,8 +96,12 @@ def peak_memory_gib(dev_type: str) -> float:
     return module(dev_type).max_memory_allocated() / 2**30
 
 
-# Dense bf16 peak of one device, for MFU. Unknown devices report mfu 0 rather than a made-up number.
-_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "H20": 148.0, "Ascend910B": 376.0}
+# Dense bf16 peak of one device, for MFU, by a part of its name (the first match counts, so longer names first).
+# Unknown devices report mfu 0 rather than a made-up number. Ascend: torch_npu.npu.get_device_name(); A2 is the
+# Ascend910B1..B4, A3 Ascend910_93xx (one of an Ascend 910C's two dies per device, each with a 910B's cube units).
+_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "H20": 148.0,
+                     "Ascend910B1": 414.0, "Ascend910B2": 376.0, "Ascend910B3": 313.0, "Ascend910B4": 280.0,
+                     "Ascend910_93": 376.0}
 
 
 def peak_tflops(dev_type: str) -> float | None:

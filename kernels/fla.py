@@ -10,15 +10,18 @@ import functools
 import re
 from typing import Callable
 
-PIP_HINT = "pip install '.[gpu]'"
+# On NPU, FLA's Triton kernels compile with triton-ascend, which no extra of ours installs (.[gpu] is for CUDA).
+PIP_HINTS = {"cuda": "pip install '.[gpu]'",
+             "npu": "pip install 'flash-linear-attention>=0.6,<0.7' triton-ascend (the release for your CANN)"}
 # FLA #640: these Triton versions miscompile the gated chunk_bwd_dqkwg kernel on Hopper (sm_90) GPUs, so the
 # chunked delta rule's backward is wrong there (FLA >= 0.6 raises instead; older FLA returned wrong gradients).
 _BAD_TRITON = ((3, 4, 0), (3, 7, 1))  # [first bad, first fixed)
 
 
-def missing_error() -> ImportError:
+def missing_error(device_type: str) -> ImportError:
+    hint = PIP_HINTS.get(device_type, PIP_HINTS["cuda"])
     return ImportError(f"kernel_config.name includes flash-linear-attention, but the package is not installed: "
-                       f"{PIP_HINT} (or drop flash-linear-attention from kernel_config.name)")
+                       f"{hint} (or drop flash-linear-attention from kernel_config.name)")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -113,7 +113,7 @@ def _needs_grouped_mm(env: Env) -> str | None:
 
 def _needs_fla(env: Env) -> str | None:
     if env.fla_version is None:
-        raise fla.missing_error()
+        raise fla.missing_error(env.device_type)
     return None
 
 
@@ -179,7 +179,7 @@ OPS: dict[str, OpSpec] = {
         per_group_mm,
         Impl("torch._grouped_mm", ("cuda",), _lazy("kernels.grouped_mm", "native_grouped_mm"), _needs_grouped_mm,
              "where it supports the dtype (probed at the first call), else the per-expert loop"),
-        _npu_moe("grouped_mm", "the per-expert loop where an expert gets no rows")),
+        _npu_moe("grouped_mm", "the per-expert loop where an expert gets no rows or is the only one")),
 }
 SLOT_OPS = tuple(op for op, spec in OPS.items() if spec.slot)  # what models call through their kernel slots
 INSTALLED_OPS = tuple(op for op, spec in OPS.items() if not spec.slot)  # what kernel functions call

@@ -27,10 +27,14 @@ _SAVED_OPS = {
     torch.ops.aten._grouped_mm.default,
     torch.ops._c10d_functional.all_to_all_single.default,
 }
+# torch_npu's ops of the same kinds (the grouped matmul; the MC2 all-to-alls fused with it), by name: torch.ops.npu
+# exists only once torch_npu is imported, which machines without an NPU never do.
+_SAVED_NPU_OPS = {"npu::npu_grouped_matmul", "npu::npu_alltoallv_gmm", "npu::npu_gmm_alltoallv"}
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in _SAVED_OPS or (op.namespace == "npu" and op._schema.name in _SAVED_NPU_OPS)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:

@@ -24,7 +24,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.dims import ParallelDims
-from parallelisms.dispatchers import DispatcherConfig
+from parallelisms.dispatchers import DispatcherConfig, dispatcher_class
 from parallelisms.expert_parallel import apply_expert_parallel
 
 
@@ -68,6 +68,8 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
     _check_untied(embeddings, final)
     fsdp_kwargs = dict(mp_policy=mp_policy, reshard_after_forward=backend.reshard_after_forward)
 
+    if dims.ep > 1:  # a dispatcher's limits (mc2's) fail now, naming the fix, not deep inside its first op
+        dispatcher_class(dispatcher.name).check_layout(dims.ep, experts[0].num_experts, model.args.num_experts_per_tok)
     shard_experts(experts, dims, backend, mp_policy, dispatcher)  # 1. EP, 2. expert FSDP
 
     # 3. Outer FSDP units over the model mesh, whose default average over dp x cp ranks matches grad_scale.

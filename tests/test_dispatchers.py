@@ -6,7 +6,7 @@ gradients, and expert gradients (summed over the ep group) on 2 and 4 gloo ranks
 token, a rank with no token at all, a rank receiving nothing, tokens whose K experts all sit on one (other)
 rank, odd token counts (domino splits 7 tokens into 4 + 3), a single token (halves of 1 and 0), top-1 and
 top-4. dedup's dispatch and combine move one row per distinct (token, rank) pair, fewer than fused's one per
-(token, k). The NPU paths run with a fake ``torch_npu`` whose
+(token, k). The NPU paths run with a fake ``torch_npu`` (tests/fake_torch_npu.py) whose
 ops follow the torch_npu docs in plain torch (so this checks our glue: count directions, weight layouts,
 the backward pairing of the MC2 ops; the real kernels need an Ascend machine).
 End to end: the debug model, 3 steps under ep2, dispatcher=fused / domino / dedup (also under selective and full
@@ -17,24 +17,22 @@ only), and close to eager's in bf16.
 from __future__ import annotations
 
 import copy
-import importlib.machinery
+import dataclasses
 import inspect
 import sys
-import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from hydra.errors import MissingConfigException
-from torch._C._distributed_c10d import _resolve_process_group
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
 import train
+from kernels import npu_moe
 from kernels.config import KernelConfig
 from kernels.registry import Env, install, installed_kernels, select_kernels
 from models.moe import GroupedExperts
@@ -47,6 +45,7 @@ from parallelisms.dispatchers.fused import FusedDispatcher
 from parallelisms.dispatchers.mc2 import Mc2Dispatcher
 from parallelisms.dispatchers.common import group_device_type
 from parallelisms.expert_parallel import apply_expert_parallel
+from tests.fake_torch_npu import FLOATS, GLUE, FakeTorchNpu, install as install_torch_npu
 from tests.conftest import CONF_DIR, compose_config
 from tests.dist_utils import debug_model_args, run_distributed
 from tests.test_dispatch import CASES, D, E, I, K, _errors, _experts_NK, check_errors
@@ -64,89 +63,16 @@ E2E_RUNS = {"fused": ["dispatcher=fused"], "domino": ["dispatcher=domino"],
 BF16_RUNS = ["eager", "fused", "domino", "dedup"]  # FSDP2 bf16 params: dtype handling of the custom autograd functions
 
 
-# ----------------------------------------------------------------------------- a fake torch_npu (plain torch)
+# ----------------------------------------------------------------------------- the fake torch_npu
 
-def fake_torch_npu() -> types.ModuleType:
-    """torch_npu's MoE ops as documented, in plain torch; ``calls`` counts them. MC2 ops find their group by
-    the name ``npu.hccl_comm_name`` returns (patched to the group name) in c10d's process-wide registry, as
-    HCCL finds its communicator by name: any group of any mesh, also one built after the fake (on a machine
-    with CUDA, init_device_mesh gives a gloo mesh's world-sized dimension a new group, named '4' and up, where
-    a CPU-only machine reuses the default group '0')."""
-    m = types.ModuleType("torch_npu")
-    m.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
-    m.calls = {}
-
-    def counted(fn):
-        def wrapper(*args, **kwargs):
-            m.calls[fn.__name__] = m.calls.get(fn.__name__, 0) + 1
-            return fn(*args, **kwargs)
-        setattr(m, fn.__name__, wrapper)
-        return fn
-
-    @counted
-    def npu_moe_token_permute(tokens, indices):
-        order = torch.argsort(indices.flatten(), stable=True)
-        return tokens[order // indices.shape[1]], torch.argsort(order).to(torch.int32)
-
-    @counted
-    def npu_moe_token_unpermute(permuted, sorted_indices, probs):
-        rows = permuted[sorted_indices.long()].view(*probs.shape, permuted.shape[-1])
-        return (rows * probs.unsqueeze(-1)).sum(1)
-
-    @counted
-    def npu_swiglu(x, dim=-1):
-        gate, up = x.chunk(2, dim=dim)
-        return F.silu(gate) * up
-
-    def gmm(x_MK, w_GKN, counts):  # group_type 0: rows of x grouped
-        outs = [c @ w_GKN[g] for g, c in enumerate(x_MK.split(counts))]
-        return torch.cat(outs) if outs else x_MK.new_zeros(0, w_GKN.shape[2])
-
-    @counted
-    def npu_grouped_matmul(x, weight, *, group_list, split_item, group_type, group_list_type):
-        assert group_list_type == 1 and split_item in (2, 3) and len(x) == len(weight) == 1
-        counts = group_list.tolist()
-        if group_type == 0:
-            return [gmm(x[0], weight[0], counts)]
-        assert group_type == 2  # the contraction dim grouped: x [K, M], weight [M, N] -> [G, K, N]
-        return [torch.stack([a @ b for a, b in zip(x[0].split(counts, dim=1), weight[0].split(counts))])]
-
-    def a2a(x, send, recv, hcom):
-        out = x.new_empty(sum(recv), x.shape[1])
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=_resolve_process_group(hcom))
-        return out
-
-    def layout(counts, ep):  # counts per (rank, local expert) -> per rank, per local expert, row order maps
-        P, L = ep, len(counts) // ep
-        c = torch.tensor(counts).view(P, L)
-        expert = torch.arange(L).repeat(P).repeat_interleave(c.flatten())
-        return c.sum(1).tolist(), c.sum(0).tolist(), torch.argsort(expert, stable=True)
-
-    @counted
-    def npu_alltoallv_gmm(gmm_x, gmm_weight, hcom, ep_world_size, send_counts, recv_counts, *,
-                          trans_gmm_weight=False, permute_out_flag=False):
-        send, _, _ = layout(send_counts, ep_world_size)
-        recv, counts_L, by_expert = layout(recv_counts, ep_world_size)
-        permuted = a2a(gmm_x, send, recv, hcom)[by_expert]
-        w = gmm_weight.transpose(1, 2) if trans_gmm_weight else gmm_weight
-        return gmm(permuted, w, counts_L), None, permuted if permute_out_flag else None
-
-    @counted
-    def npu_gmm_alltoallv(gmm_x, gmm_weight, hcom, ep_world_size, send_counts, recv_counts, *,
-                          trans_gmm_weight=False):
-        send, counts_L, by_expert = layout(send_counts, ep_world_size)
-        recv, _, _ = layout(recv_counts, ep_world_size)
-        y = gmm(gmm_x, gmm_weight.transpose(1, 2) if trans_gmm_weight else gmm_weight, counts_L)
-        return a2a(torch.empty_like(y).index_copy(0, by_expert, y), send, recv, hcom), None
-
-    return m
-
-
-def _install_fake_npu() -> types.ModuleType:
-    fake = fake_torch_npu()
-    sys.modules["torch_npu"] = fake
+def _install_fake_npu() -> FakeTorchNpu:
+    """The fake torch_npu (tests/fake_torch_npu.py) for the rest of this rank, on its GLUE contract: fp32 (the
+    comparison with the local reference is exact) at ep2 with tiny rows; our limits relaxed alike. Each limit itself
+    is tested in tests/test_npu_contract.py."""
+    fake = install_torch_npu(FakeTorchNpu(GLUE))
     npu.hccl_comm_name = lambda group: group.group_name
-    mc2.MC2_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the fake runs the fp32 reference
+    mc2.LIMITS = dataclasses.replace(mc2.LIMITS, dtypes=FLOATS, bytes_per_all_to_all=GLUE.mc2_bytes)
+    npu_moe.PERMUTE_DTYPES = FLOATS
     return fake
 
 

@@ -10,12 +10,10 @@ import dataclasses
 import logging
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import kernels.permute as permute
@@ -24,8 +22,8 @@ from kernels import fla, installed, npu_moe
 from kernels.config import FLA_OPS, KernelConfig, validate_kernel_config
 from kernels.grouped_mm import per_group_mm
 from kernels.registry import INSTALLED_OPS, OPS, SLOT_OPS, Env, apply_kernels, installed_kernels, select_kernels
-from kernels.rotary import rotate_half
 from models.moe import GroupedExperts, compute_experts
+from tests.fake_torch_npu import FLOATS, GLUE, FakeTorchNpu, install
 
 ROOT = Path(__file__).resolve().parents[1]
 AUTO_OPS = [op for op in OPS if op not in FLA_OPS]
@@ -211,62 +209,11 @@ def test_short_evaluation_takes_the_recurrent_slot() -> None:
     torch.testing.assert_close(recurrent, chunked, rtol=0, atol=1e-5)
 
 
-class FakeTorchNpu(types.ModuleType):
-    """torch_npu's fused ops as documented, in torch, counting calls."""
-
-    def __init__(self) -> None:
-        super().__init__("torch_npu")
-        self.calls: dict[str, int] = {}
-
-    def _count(self, name: str) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
-
-    def npu_rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
-        self._count("npu_rms_norm")
-        assert gamma.dtype == x.dtype  # torch_npu's constraint
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
-        return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
-
-    def npu_swiglu(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        self._count("npu_swiglu")
-        a, b = x.chunk(2, dim=dim)
-        return F.silu(a) * b
-
-    def npu_rotary_mul(self, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
-        self._count("npu_rotary_mul")
-        assert x.dim() == r1.dim() == r2.dim() == 4 and x.dtype == r1.dtype
-        return r1 * x + r2 * rotate_half(x)
-
-    def npu_moe_token_permute(self, tokens: torch.Tensor, indices: torch.Tensor):
-        self._count("npu_moe_token_permute")
-        assert indices.dtype == torch.int32
-        order = torch.argsort(indices.flatten(), stable=True)
-        return tokens[order // indices.shape[1]], torch.argsort(order).to(torch.int32)
-
-    def npu_moe_token_unpermute(self, permuted: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor):
-        self._count("npu_moe_token_unpermute")
-        assert permuted.dtype == probs.dtype
-        rows = permuted[sorted_indices.long()].view(*probs.shape, permuted.shape[-1])
-        return (rows * probs.unsqueeze(-1)).sum(1)
-
-    def npu_grouped_matmul(self, x: list, weight: list, *, group_list: torch.Tensor, split_item: int,
-                           group_type: int, group_list_type: int) -> list[torch.Tensor]:
-        self._count("npu_grouped_matmul")
-        assert group_list_type == 1 and len(x) == len(weight) == 1 and x[0].dtype == weight[0].dtype
-        counts = group_list.tolist()
-        if group_type == 0:  # the rows of x grouped: [M, K] x [G, K, N] -> [M, N]
-            assert split_item == 2 and 0 not in counts  # an expert without rows never reaches it
-            return [torch.cat([c @ weight[0][g] for g, c in enumerate(x[0].split(counts))])]
-        assert group_type == 2 and split_item == 3  # the contraction dim grouped: [K, M] x [M, N] -> [G, K, N]
-        return [torch.stack([a @ b for a, b in zip(x[0].split(counts, dim=1), weight[0].split(counts))])]
-
-
 @pytest.fixture
 def fake_torch_npu(monkeypatch: pytest.MonkeyPatch) -> FakeTorchNpu:
-    fake = FakeTorchNpu()
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    monkeypatch.delitem(sys.modules, "kernels.npu", raising=False)  # re-imported against the fake
-    return fake
+    # GLUE: fp32, so every kernel compares exactly with its torch reference (DOCUMENTED: tests/test_npu_contract.py).
+    monkeypatch.setattr(npu_moe, "PERMUTE_DTYPES", FLOATS)
+    return install(FakeTorchNpu(GLUE), monkeypatch)
 
 
 @pytest.mark.parametrize("model_type, arch, ops", [

@@ -44,6 +44,12 @@ class Dispatcher(ABC):
         self.num_local = num_experts // self.ep
         self.device_type = device_type or group_device_type(group)
 
+    @classmethod
+    def check_layout(cls, ep: int, num_experts: int, top_k: int) -> None:
+        """Raise ``ValueError`` naming the config key and the fix where this dispatcher cannot run ``ep`` ranks,
+        ``num_experts`` experts in all or ``top_k`` experts per token. Called by parallelize, before any
+        dispatcher is built (the model's top-k is known there, not here). Any layout by default."""
+
     def __call__(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         """What ``GroupedExperts.forward`` calls, with the weights as the module holds them: DTensors of global

@@ -25,12 +25,22 @@ def torch_npu():
     return importlib.import_module("torch_npu")
 
 
-def has_mc2() -> bool:
+A3_PREFIX = "Ascend910_93"  # torch_npu.npu.get_device_name() on Atlas A3 (Ascend910_9391, _9392, ...)
+
+
+def check_mc2_chip() -> None:
+    """MC2 runs on Atlas A3 only; the ops exist in torch_npu on every chip, so their presence proves nothing."""
     try:
         module = torch_npu()
-    except ImportError:
-        return False
-    return hasattr(module, "npu_alltoallv_gmm") and hasattr(module, "npu_gmm_alltoallv")
+    except ImportError as error:
+        raise RuntimeError("dispatcher=mc2 needs torch_npu: pip install '.[npu]' (README: Ascend NPUs)") from error
+    if not (hasattr(module, "npu_alltoallv_gmm") and hasattr(module, "npu_gmm_alltoallv")):
+        raise RuntimeError(f"dispatcher=mc2 needs torch_npu's MC2 ops (npu_alltoallv_gmm, npu_gmm_alltoallv), which "
+                           f"torch_npu {getattr(module, '__version__', '?')} lacks: pip install '.[npu]'")
+    name = module.npu.get_device_name()
+    if not name.startswith(A3_PREFIX):
+        raise RuntimeError(f"dispatcher=mc2 runs on Atlas A3 ({A3_PREFIX}xx) only, this NPU is {name}; "
+                           "use dispatcher=fused")
 
 
 def hccl_comm_name(group: dist.ProcessGroup) -> str:
