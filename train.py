@@ -309,8 +309,11 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         if cfg.train.gc_every and step % cfg.train.gc_every == 0:
             gc.collect(1)  # young generations only, as torchtitan: cheap, at the same step on every rank
         # The cp ranks of a dp slice read the same sequences; each keeps its 1/cp of every one.
-        shards = [context_shard(next(loader), dims.cp_rank, dims.cp) for _ in range(cfg.train.grad_accum_steps)]
-        batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
+        with torch.profiler.record_function("data"):
+            data_start = time.perf_counter()
+            shards = [context_shard(next(loader), dims.cp_rank, dims.cp) for _ in range(cfg.train.grad_accum_steps)]
+            batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
+            data_time = time.perf_counter() - data_start  # the loader is on the critical path: keep this small
         lr = scheduler.get_last_lr()[0]
         result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args.num_experts,
                             model_args.router_aux_loss_coef, autocast, update=step > 0)
@@ -327,6 +330,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             "tflops_per_device": per_device * flops_per_token / 1e12,
             "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
             "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
+            "data_time_s": data_time, "data_share": data_time / step_time,
         }
         history.append(metrics)
         if metrics["skipped"] and dims.rank == 0:

@@ -8,7 +8,8 @@ with fp32 master weights, optimizer state and gradient reduction. Steps before -
 FLOPs per token are counted as torchtitan does (``flops_per_token`` of the model's args): 6 x active
 non-embedding parameters (LM head included) + 12 x layers x heads x head_dim x seq_len for attention
 (Qwen3.5: full-attention layers only, plus the documented DeltaNet term). MFU = achieved / peak dense bf16
-(core/device.py's table; 989 TFLOP/s for an H100/H200).
+(core/device.py's table; 989 TFLOP/s for an H100/H200). "data loading" is the share of the step spent in the
+data loader and the host-to-device copy (train.py's data_share metric).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, 
     mfu = mean("mfu") if timed[0]["mfu"] is not None else None
     return {"layout": layout, "dispatcher": dispatcher, "tokens_per_s_per_gpu": tps,
             "tflops_per_gpu": mean("tflops_per_device"), "mfu": mfu,
-            "peak_mem_gib": max(m["peak_mem_gib"] for m in metrics), "final_loss": metrics[-1]["loss"]}
+            "peak_mem_gib": max(m["peak_mem_gib"] for m in metrics), "final_loss": metrics[-1]["loss"],
+            "data_share": mean("data_share")}
 
 
 def main() -> None:
@@ -77,16 +79,16 @@ def main() -> None:
             for layout in args.layouts.split(",") for dispatcher in args.dispatchers.split(",")]
     print(f"\n{args.model} x {args.layers} layers, seq {args.seq_len}, local batch {args.local_batch}, "
           f"{args.nproc} process(es), mean over steps {args.warmup + 1}..{args.steps}")
-    print("| layout | dispatcher | tokens/s/GPU | TFLOPS/GPU | MFU | peak mem GiB | final loss |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | dispatcher | tokens/s/GPU | TFLOPS/GPU | MFU | peak mem GiB | data loading | final loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['layout']} | {r['dispatcher']} | {r['error']} | | | | |")
+            print(f"| {r['layout']} | {r['dispatcher']} | {r['error']} | | | | | |")
             continue
         tflops = f"{r['tflops_per_gpu']:.0f}"
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         print(f"| {r['layout']} | {r['dispatcher']} | {r['tokens_per_s_per_gpu']:,.0f} | {tflops} | {mfu} | "
-              f"{r['peak_mem_gib']:.1f} | {r['final_loss']:.3f} |")
+              f"{r['peak_mem_gib']:.1f} | {r['data_share']:.2%} | {r['final_loss']:.3f} |")
     (args.out / "bench.json").write_text(json.dumps(rows, indent=2))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -312,8 +313,6 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         validate_data_config(DataConfig(name="jsonl"))
     with pytest.raises(FileNotFoundError, match="data.path.*nope.jsonl"):
         validate_data_config(DataConfig(name="jsonl", path=str(tmp_path / "nope.jsonl")))
-    with pytest.raises(ValueError, match="data.mask_non_assistant"):
-        validate_data_config(DataConfig(name="tokens", path="x.npy", mask_non_assistant=True))
     with pytest.raises(ValueError, match="data.eos_id=5 .* for data.name=tokens only"):
         validate_data_config(DataConfig(name="jsonl", path="x.jsonl", eos_id=5))
     with pytest.raises(ValueError, match="data.eos_id=-1 must be a token id"):
@@ -321,6 +320,9 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     cfg = _write_tokens(tmp_path, n=50)  # 5 windows
     with pytest.raises(ValueError, match="too small.*data.seq_len"):
         _loader(cfg, batch=3, dp_size=2)
+    with pytest.raises(ValueError, match="data.mask_non_assistant=true needs a loss mask, and data.path=.*ids.npy "
+                                         "holds plain ids; tokenize chat data with scripts/pretokenize.py"):
+        _loader(dataclasses.replace(cfg, mask_non_assistant=True))
 
 
 # ---------------------------------------------------------------- jsonl validation

@@ -103,10 +103,10 @@ def test_jsonl_cache_uses_the_shards_and_matches(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr("training.data._TOKENIZE_WORKERS", 2)
     src = _corpus(tmp_path / "c.jsonl")
     cfg = DataConfig(name="jsonl", path=str(src), cache_dir=str(tmp_path / "cache"))
-    stream = _tokenized_stream(cfg, src, "qwen3")
+    stream = _tokenized_stream(cfg, "qwen3")
     np.testing.assert_array_equal(stream, _single_process(src))
     assert [p.name for p in (tmp_path / "cache").glob("*.npy")] and not list((tmp_path / "cache").glob("*.shards"))
-    np.testing.assert_array_equal(_tokenized_stream(cfg, src, "qwen3"), stream)  # from the cache file
+    np.testing.assert_array_equal(_tokenized_stream(cfg, "qwen3"), stream)  # from the cache file
 
 
 def test_cli_end_to_end(tmp_path: Path) -> None:
@@ -122,5 +122,5 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     np.testing.assert_array_equal(stream, _single_process(src))
 
     bad = subprocess.run(cmd[:2] + [str(tmp_path / "missing.jsonl"), str(out)], capture_output=True, text=True)
-    assert bad.returncode == 1 and bad.stderr.startswith("error: FileNotFoundError: no such file")
+    assert bad.returncode == 1 and bad.stderr.startswith("error: FileNotFoundError: INPUT: no such file or directory")
     assert "Traceback" not in bad.stderr

@@ -42,10 +42,11 @@ import torch
 from core.constants import IGNORE_INDEX
 from training.checkpoint import atomic_write
 from training.token_shards import BIN_DTYPES, TokenStream, WindowOrder, load_token_stream, shard_paths
-from training.tokenize_shards import Doc, chat_doc, tokenize_to_shards
-from training.tokenizer import TOKENIZERS, QwenTokenizer
+from training.hf_datasets import hf_corpus, hf_files
+from training.tokenize_shards import Corpus, Doc, JsonlCorpus, chat_doc, files_sha256, tokenize_to_shards
+from training.tokenizer import TOKENIZERS, QwenTokenizer, special_tokens
 
-_NAMES = ("chitchat", "jsonl", "tokens")
+_NAMES = ("chitchat", "jsonl", "hf", "tokens")
 _CACHE_VERSION = 2  # bump when the rendering or the validation of documents changes (2: roles, field types)
 _TOKENIZE_WORKERS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 _CACHE_DOCS_PER_SHARD = 10_000  # jsonl documents per shard of the cache's tokenization (one process each)
@@ -63,9 +64,11 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "chitchat"  # chitchat | jsonl | tokens
-    # jsonl: .jsonl file; tokens: a .npy / raw .bin shard, a directory of them or a glob; chitchat: dataset.json
+    name: str = "chitchat"  # chitchat | jsonl | hf | tokens
+    # jsonl: .jsonl file; hf: datasets files (training.hf_datasets); tokens: a .npy / raw .bin shard, a directory of
+    # them or a glob; chitchat: dataset.json
     path: str | None = None
+    column: str | None = None  # hf: the text or messages column (None: messages if there is one, else text)
     bin_dtype: str = "uint32"  # tokens: the dtype of raw little-endian .bin shards (uint16, int32, ...)
     sources: list[SourceConfig] | None = None  # tokens: a weighted mixture of token sources instead of data.path
     seq_len: int = 256
@@ -90,9 +93,6 @@ def validate_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.name={cfg.name!r} is unknown; choose one of {', '.join(_NAMES)}")
     if not isinstance(cfg.seq_len, int) or cfg.seq_len <= 0:
         raise ValueError(f"data.seq_len={cfg.seq_len!r} must be a positive integer, e.g. data.seq_len=256")
-    if cfg.name == "tokens" and cfg.mask_non_assistant:
-        raise ValueError("data.mask_non_assistant=true needs chat data (data.name=jsonl or chitchat); "
-                         "pre-tokenized data has no loss mask")
     if cfg.sources is not None:
         _validate_sources(cfg)
     elif cfg.name != "chitchat" and not cfg.path:
@@ -105,9 +105,14 @@ def validate_data_config(cfg: DataConfig) -> None:
                          "data end documents with the tokenizer's <|endoftext|>")
     if not cfg.cache_dir:
         raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
+    if cfg.column is not None and cfg.name != "hf":
+        raise ValueError(f"data.column={cfg.column!r} names a column of datasets files (data.name=hf); unset it for "
+                         f"data.name={cfg.name}")
     if cfg.name == "tokens":
         for key, path in _token_paths(cfg):
             shard_paths(path, key)
+    elif cfg.name == "hf":
+        hf_files(cfg.path)
     elif not _source_path(cfg).is_file():
         raise FileNotFoundError(f"data.path: no such file {_source_path(cfg)}")
 
@@ -161,15 +166,23 @@ def _chitchat_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
         yield chat_doc(tok, [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)])
 
 
-def _tokenized_stream(cfg: DataConfig, path: Path, tokenizer: str) -> np.ndarray:
-    """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache (keyed by the file's contents and the
-    tokenizer) or tokenized and cached. jsonl is tokenized by ``training.tokenize_shards`` over
-    min(4, CPUs) processes into ``<cache>.shards/`` (an interrupted start-up resumes there), then joined into the
-    cache file; processes sharing the cache directory take turns (a file lock), so the corpus is tokenized once."""
-    with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256")
-    source_sha256 = digest.hexdigest()
-    digest.update(f"|v{_CACHE_VERSION}|{cfg.name}|{tokenizer}".encode())
+def _corpus(cfg: DataConfig) -> Corpus | None:
+    """What ``training.tokenize_shards`` reads for jsonl and hf data (chitchat: None, it has its own reader)."""
+    if cfg.name == "hf":
+        return hf_corpus(cfg.path, cfg.column, cfg.cache_dir)
+    return JsonlCorpus(Path(cfg.path)) if cfg.name == "jsonl" else None
+
+
+def _tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
+    """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache (keyed by the files' contents, how they
+    are read and the tokenizer) or tokenized and cached. jsonl and hf data are tokenized by
+    ``training.tokenize_shards`` over min(4, CPUs) processes into ``<cache>.shards/`` (an interrupted start-up
+    resumes there), then joined into the cache file; processes sharing the cache directory take turns (a file
+    lock), so the corpus is tokenized once."""
+    corpus = _corpus(cfg)
+    source_sha256 = files_sha256(corpus.files() if corpus else [_source_path(cfg)])
+    reader = corpus.reader if corpus else cfg.name
+    digest = hashlib.sha256(f"{source_sha256}|v{_CACHE_VERSION}|{cfg.name}|{reader}|{tokenizer}".encode())
     cache = Path(cfg.cache_dir) / f"{cfg.name}-{tokenizer}-{digest.hexdigest()[:16]}.npy"
     if cache.exists():
         return np.load(cache)
@@ -177,15 +190,15 @@ def _tokenized_stream(cfg: DataConfig, path: Path, tokenizer: str) -> np.ndarray
     with _cache_lock(cache) as locked:
         if cache.exists():  # another process tokenized it while this one waited
             return np.load(cache)
-        if cfg.name == "chitchat":
-            stream = _join(_chitchat_docs(path, QwenTokenizer(tokenizer)))
+        if corpus is None:
+            stream = _join(_chitchat_docs(_source_path(cfg), QwenTokenizer(tokenizer)))
         else:
             shards = cache.with_name(cache.stem + ".shards")
             start = time.monotonic()
-            manifest = tokenize_to_shards(path, shards, tokenizer, workers=_TOKENIZE_WORKERS,
+            manifest = tokenize_to_shards(corpus, shards, tokenizer, workers=_TOKENIZE_WORKERS,
                                           docs_per_shard=_CACHE_DOCS_PER_SHARD, source_sha256=source_sha256)
             stream = manifest.stream(shards)
-            logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", path,
+            logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", corpus.source,
                         sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
                         len(manifest.shards))
 
@@ -194,7 +207,7 @@ def _tokenized_stream(cfg: DataConfig, path: Path, tokenizer: str) -> np.ndarray
                 np.save(f, stream)
 
         atomic_write(cache, write)
-        if cfg.name != "chitchat" and locked:  # unlocked, another process may still be writing shards there
+        if corpus is not None and locked:  # unlocked, another process may still be writing shards there
             shutil.rmtree(shards, ignore_errors=True)
     return stream
 
@@ -369,7 +382,7 @@ class PackedLoader:
             self._windows[s] = int(source["windows"])
 
 
-def _check_trained_tokens(cfg: DataConfig, path: Path, mask: np.ndarray) -> None:
+def _check_trained_tokens(cfg: DataConfig, path: str | Path, mask: np.ndarray) -> None:
     """Raise ValueError if the tokenized corpus (fresh or cached), under ``data.mask_non_assistant``, trains nothing."""
     if mask.size == 0:
         raise ValueError(f"data.path={path} holds no documents (e.g. a jsonl file of blank lines); add documents or "
@@ -377,6 +390,34 @@ def _check_trained_tokens(cfg: DataConfig, path: Path, mask: np.ndarray) -> None
     if cfg.mask_non_assistant and not mask.any():
         raise ValueError(f"data.path={path}: no assistant message anywhere: with data.mask_non_assistant=true nothing "
                          "would be trained; add assistant turns or set data.mask_non_assistant=false")
+
+
+def _token_sources(cfg: DataConfig, tokenizer: str | None) -> tuple[list[Source], int, int | None]:
+    """data=tokens: each source's shards, the vocabulary size they need and the id ending documents (data.eos_id,
+    else the <|endoftext|> of the tokenizer their manifest names)."""
+    sources, vocab_size, tokenized_by = [], 0, {}
+    configs = cfg.sources or [SourceConfig(path=cfg.path)]
+    for (key, path), name, src in zip(_token_paths(cfg), source_names(configs), configs):
+        data = load_token_stream(path, cfg.bin_dtype, cfg.cache_dir, key)
+        if cfg.mask_non_assistant and data.mask is None:
+            raise ValueError(f"data.mask_non_assistant=true needs a loss mask, and {key}={path} holds plain ids; "
+                             "tokenize chat data with scripts/pretokenize.py (its shards carry the mask) or set "
+                             "data.mask_non_assistant=false")
+        if data.tokenizer is not None:
+            if tokenizer is not None and data.tokenizer != tokenizer:
+                raise ValueError(f"{key}={path} was tokenized with {data.tokenizer} (its manifest.json) and the model's "
+                                 f"tokenizer is {tokenizer}: set model.tokenizer={data.tokenizer} or re-tokenize with "
+                                 f"scripts/pretokenize.py --tokenizer {tokenizer}")
+            tokenized_by[key] = data.tokenizer
+        sources.append(Source(name, data.ids, data.mask if cfg.mask_non_assistant else None, src.weight))
+        vocab_size = max(vocab_size, data.vocab_size)
+    if len(set(tokenized_by.values())) > 1:
+        raise ValueError(f"data.sources were tokenized with different tokenizers ({tokenized_by}); mix sources of "
+                         "one vocabulary")
+    eos_id = cfg.eos_id
+    if eos_id is None and tokenized_by:
+        eos_id = special_tokens(next(iter(tokenized_by.values())))["<|endoftext|>"]
+    return sources, vocab_size, eos_id
 
 
 def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int,
@@ -391,16 +432,10 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
         raise ValueError(f"need local_batch_size > 0 and 0 <= dp_rank < dp_size, got "
                          f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
     if cfg.name == "tokens":
-        sources, vocab_size, eos_id = [], 0, cfg.eos_id
-        configs = cfg.sources or [SourceConfig(path=cfg.path)]
-        for (key, path), name, src in zip(_token_paths(cfg), source_names(configs), configs):
-            ids, vocab = load_token_stream(path, cfg.bin_dtype, cfg.cache_dir, key)
-            sources.append(Source(name, ids, weight=src.weight))
-            vocab_size = max(vocab_size, vocab)
+        sources, vocab_size, eos_id = _token_sources(cfg, tokenizer)
     else:
-        path = _source_path(cfg)
-        ids, mask = _tokenized_stream(cfg, path, tokenizer)
-        _check_trained_tokens(cfg, path, mask)
+        ids, mask = _tokenized_stream(cfg, tokenizer)
+        _check_trained_tokens(cfg, cfg.path or _source_path(cfg), mask)
         sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None)]
         tok = QwenTokenizer(tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only

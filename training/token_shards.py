@@ -4,17 +4,22 @@
 files) or a glob. The shards, in sorted path order, form one virtual stream: a document runs on across a shard
 boundary unless the shard ends in ``data.eos_id``. Shards are memory-mapped and never read whole, except once per
 shard (size, mtime) for the id range, whose result is cached in ``<data.cache_dir>/token-shards.json``.
+
+A shard is 1-D ids, or the [2, n] uint32 (ids, trained mask) of ``scripts/pretokenize.py``, whose directory's
+manifest.json names the tokenizer (and so the <|endoftext|> id) and must list every shard as finished.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from training.checkpoint import atomic_write_text
+from training.tokenize_shards import MANIFEST
 
 SHARD_SUFFIXES = (".npy", ".bin")
 BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids
@@ -44,8 +49,9 @@ def shard_paths(path: str, key: str = "data.path") -> list[Path]:
     return files
 
 
-def open_shard(path: Path, bin_dtype: str) -> np.ndarray:
-    """One shard, memory-mapped: a 1-D integer .npy or raw little-endian ``bin_dtype`` ids; ValueError names it."""
+def open_shard(path: Path, bin_dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """One shard, memory-mapped: (ids, None) of a 1-D integer .npy or raw little-endian ``bin_dtype`` ids, or
+    (ids, trained mask) of a [2, n] uint32 .npy of scripts/pretokenize.py; ValueError names the file."""
     try:
         if path.suffix == ".npy":
             ids = np.load(path, mmap_mode="r")
@@ -61,10 +67,13 @@ def open_shard(path: Path, bin_dtype: str) -> np.ndarray:
         if str(e).startswith("token shard"):
             raise
         raise ValueError(f"token shard {path} is not a valid .npy array ({e})") from None
+    if isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.shape[0] == 2 and ids.dtype == np.uint32 and ids.size:
+        return ids[0], ids[1]  # views of the memory map: nothing is read
     if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size == 0:
         got = f"{ids.dtype} {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__
-        raise ValueError(f"token shard {path}: expected a non-empty 1-D integer array, got {got}")
-    return ids
+        raise ValueError(f"token shard {path}: expected a non-empty 1-D integer array, or the [2, n] uint32 (ids, "
+                         f"trained mask) of scripts/pretokenize.py, got {got}")
+    return ids, None
 
 
 def scan_ids(ids: np.ndarray) -> tuple[int, int]:
@@ -126,11 +135,50 @@ class TokenStream:
         return out
 
 
-def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "data.path") -> tuple[TokenStream, int]:
-    """The token stream of ``path``'s shards and its vocabulary size (largest id + 1)."""
+@dataclass
+class TokenData:
+    """One token source: its shards' ids (and trained masks, where every shard has one) as streams."""
+    ids: TokenStream
+    mask: TokenStream | None  # None: plain id shards, every target is trained
+    vocab_size: int  # largest id + 1
+    tokenizer: str | None  # from the shards' manifest.json (scripts/pretokenize.py); None: not known
+
+
+def pretokenized_by(paths: list[Path], key: str) -> str | None:
+    """The tokenizer the manifest.json beside the shards names (None: no manifest); ValueError if a manifest's
+    tokenization is unfinished, or two name different tokenizers."""
+    tokenizers = set()
+    for folder in sorted({p.parent for p in paths}):
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{key}: {folder / MANIFEST} is unreadable ({e})") from None
+        shards = manifest.get("shards", [])
+        done = sum(1 for s in shards if s.get("sha256"))
+        if done < len(shards):
+            raise ValueError(f"{key}: {folder} holds an unfinished tokenization ({done} of {len(shards)} shards in "
+                             f"{MANIFEST}); run scripts/pretokenize.py again to finish it")
+        tokenizers.add(manifest.get("tokenizer"))
+    if len(tokenizers) > 1:
+        raise ValueError(f"{key}: the shards' manifests name different tokenizers {sorted(tokenizers)}; use shards "
+                         "of one tokenizer")
+    return tokenizers.pop() if tokenizers else None
+
+
+def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "data.path") -> TokenData:
+    """The shards of ``path`` as one source (``TokenData``)."""
     paths = shard_paths(path, key)
-    shards = [open_shard(p, bin_dtype) for p in paths]
-    return TokenStream(shards), max_token_id(paths, shards, cache_dir) + 1
+    opened = [open_shard(p, bin_dtype) for p in paths]
+    ids, masks = [i for i, _ in opened], [m for _, m in opened]
+    masked = [m is not None for m in masks]
+    if any(masked) and not all(masked):
+        plain, with_mask = paths[masked.index(False)], paths[masked.index(True)]
+        raise ValueError(f"{key}={path} mixes plain id shards ({plain}) with (ids, mask) shards of "
+                         f"scripts/pretokenize.py ({with_mask}); use one kind per source")
+    return TokenData(TokenStream(ids), TokenStream(masks) if all(masked) else None,
+                     max_token_id(paths, ids, cache_dir) + 1, pretokenized_by(paths, key))
 
 
 class WindowOrder:

@@ -1,17 +1,18 @@
-"""Tokenize a jsonl corpus over worker processes into shards, resumably, with a manifest.
+"""Tokenize a text corpus over worker processes into shards, resumably, with a manifest.
 
-One document per line: ``{"text": ...}`` or ``{"messages": [{"role", "content"}, ...]}`` (blank lines are skipped).
-A text is encoded and followed by <|endoftext|>, all trained; a chat is rendered with the ChatML template (only
-assistant turns trained) and followed by an untrained <|endoftext|>.
+A corpus (``Corpus``) is a .jsonl file (``JsonlCorpus``: one document per non-blank line, ``{"text": ...}`` or
+``{"messages": [{"role", "content"}, ...]}``) or local Hugging Face datasets files (``training.hf_datasets``: one
+document per row of a text or messages column). A text is encoded and followed by <|endoftext|>, all trained; a chat
+is rendered with the ChatML template (only assistant turns trained) and followed by an untrained <|endoftext|>.
 
-The input is cut into contiguous line ranges of ``docs_per_shard`` non-blank lines; shard i (its line range only)
-becomes ``<out_dir>/shard_<i:05d>.npy``, a [2, n] uint32 array (token ids, trained mask), so the shards
-concatenated in order are the single-process stream of the whole file, whatever the number of workers. Each
-shard is written atomically, and ``<out_dir>/manifest.json`` (source and its sha256, tokenizer, each finished shard's
-line range, documents, tokens, trained tokens and sha256, and the totals once all are done) is rewritten atomically
-after every shard: a re-run skips the shards the manifest lists whose files still match their sha256, so an
-interrupted run resumes where it stopped. Used by ``scripts/pretokenize.py`` and the data=jsonl cache
-(``training.data``).
+The corpus is cut into contiguous runs of ``docs_per_shard`` documents (jsonl: non-blank lines; datasets: rows);
+shard i (its run only) becomes ``<out_dir>/shard_<i:05d>.npy``, a [2, n] uint32 array (token ids, trained mask), so
+the shards concatenated in order are the single-process stream of the whole corpus, whatever the number of workers.
+Each shard is written atomically, and ``<out_dir>/manifest.json`` (source and its sha256, reader, tokenizer, each
+finished shard's range, documents, tokens, trained tokens and sha256, and the totals once all are done) is rewritten
+atomically after every shard: a re-run skips the shards the manifest lists whose files still match their sha256, so
+an interrupted run resumes where it stopped. Used by ``scripts/pretokenize.py`` and the data=jsonl / data=hf caches
+(``training.data``); data=tokens reads the shards directly (``training.token_shards``).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from training.tokenizer import CHAT_ROLES, TOKENIZERS, QwenTokenizer
 
 MANIFEST = "manifest.json"
-_FORMAT = 1  # bump when the manifest or the shard layout changes
+_FORMAT = 2  # bump when the manifest or the shard layout changes (2: reader, row ranges)
 _JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
                bool: "a boolean", type(None): "null"}
 _MESSAGE = '{"role": ..., "content": ...}'
@@ -53,15 +55,27 @@ def chat_doc(tok: QwenTokenizer, messages: list[dict]) -> Doc:
 def _check_message(i: int, msg: object) -> None:
     """Raise ValueError unless ``msg`` is {"role": one of CHAT_ROLES, "content": a string}."""
     if not isinstance(msg, dict):
-        raise ValueError(f"messages[{i}] must be an object {_MESSAGE}, got {_JSON_TYPES[type(msg)]}")
+        raise ValueError(f"messages[{i}] must be an object {_MESSAGE}, got "
+                         f"{_JSON_TYPES.get(type(msg), type(msg).__name__)}")
     for key in ("role", "content"):
         if key not in msg:
             raise ValueError(f"messages[{i}] has no {key!r}; every message is an object {_MESSAGE} of strings")
         if not isinstance(msg[key], str):
-            raise ValueError(f"messages[{i}].{key} must be a string, got {_JSON_TYPES[type(msg[key])]}")
+            raise ValueError(f"messages[{i}].{key} must be a string, got "
+                             f"{_JSON_TYPES.get(type(msg[key]), type(msg[key]).__name__)}")
     if msg["role"] not in CHAT_ROLES:
         raise ValueError(f"messages[{i}].role {msg['role']!r} is unknown; use one of {', '.join(CHAT_ROLES)} "
                          "(lowercase, the chat template's roles)")
+
+
+def checked_messages(messages: object, name: str = "'messages'") -> list[dict]:
+    """``messages`` if it is a non-empty list of {"role", "content"} strings; else ValueError says what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if messages == [] else _JSON_TYPES.get(type(messages), type(messages).__name__)
+        raise ValueError(f"{name} must be a non-empty list of {_MESSAGE} objects, got {got}")
+    for i, msg in enumerate(messages):
+        _check_message(i, msg)
+    return messages
 
 
 def jsonl_row(row: object) -> str | list[dict]:
@@ -75,13 +89,7 @@ def jsonl_row(row: object) -> str | list[dict]:
             raise ValueError(f"'text' must be a string, got {_JSON_TYPES[type(row['text'])]}")
         return row["text"]
     if "messages" in row:
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            got = "an empty list" if messages == [] else _JSON_TYPES[type(messages)]
-            raise ValueError(f"'messages' must be a non-empty list of {_MESSAGE} objects, got {got}")
-        for i, msg in enumerate(messages):
-            _check_message(i, msg)
-        return messages
+        return checked_messages(row["messages"])
     raise ValueError(f"expected a 'text' or a 'messages' field, got fields {list(row)}")
 
 
@@ -110,20 +118,100 @@ def jsonl_docs(path: Path, tok: QwenTokenizer, start: int = 0, stop: int | None 
                                  "JSON object per line") from None
             except ValueError as e:
                 raise ValueError(f"{path} line {lineno}: {e}") from None
-            yield text_doc(tok, row) if isinstance(row, str) else chat_doc(tok, row)
+            yield document(tok, row)
+
+
+def document(tok: QwenTokenizer, row: str | list[dict]) -> Doc:
+    """A text (``jsonl_row``'s str) or a chat (its messages) as one document."""
+    return text_doc(tok, row) if isinstance(row, str) else chat_doc(tok, row)
 
 
 @dataclass
 class Shard:
-    """One shard of the manifest: its file, its lines (first, last; 1-based) and bytes [start, stop) of the source,
-    and, once written, its counts and sha256."""
+    """One shard of the manifest: its file, its range of the source (jsonl: lines [first, last], 1-based, and bytes
+    [start, stop); datasets: rows [start, stop)) and, once written, its counts and sha256."""
     file: str
-    lines: list[int]
-    bytes: list[int]
+    lines: list[int] | None = None
+    bytes: list[int] | None = None
+    rows: list[int] | None = None
     documents: int = 0
     tokens: int = 0
     trained_tokens: int = 0
     sha256: str = ""
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.npy"
+
+
+def _file_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def files_sha256(files: list[Path]) -> str:
+    """The sha256 of one file, or of the files' names and sha256s in order."""
+    if len(files) == 1:
+        return _file_sha256(files[0])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}\0{_file_sha256(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def _plan(source: Path, docs_per_shard: int) -> list[Shard]:
+    """Contiguous line ranges of ``docs_per_shard`` non-blank lines each (the last one to the end of the file)."""
+    starts: list[tuple[int, int]] = []  # (line, byte) of each shard's first line
+    nonblank, lineno, offset = 0, 0, 0
+    with source.open("rb") as f:
+        for raw in f:
+            lineno += 1
+            if raw.strip():
+                if nonblank % docs_per_shard == 0:
+                    starts.append((lineno, offset) if starts else (1, 0))
+                nonblank += 1
+            offset += len(raw)
+    ends = [(line - 1, byte) for line, byte in starts[1:]] + [(lineno, offset)]
+    return [Shard(shard_name(i), [line, end_line], [byte, end_byte])
+            for i, ((line, byte), (end_line, end_byte)) in enumerate(zip(starts, ends))]
+
+
+class Corpus(Protocol):
+    """What ``tokenize_to_shards`` reads; picklable, for the worker processes."""
+
+    source: str  # for the manifest: the path(s) it was read from
+    reader: str  # how documents are read from it, e.g. "jsonl" or "hf parquet column=text"
+
+    def files(self) -> list[Path]: ...  # the files its sha256 covers
+
+    def plan(self, docs_per_shard: int) -> list[Shard]: ...  # contiguous runs of documents, in order
+
+    def docs(self, tok: QwenTokenizer, shard: Shard) -> Iterator[Doc]: ...  # the documents of one shard
+
+    def work(self, shard: Shard) -> int: ...  # the shard's share of the corpus, in the units the ETA counts
+
+
+@dataclass(frozen=True)
+class JsonlCorpus:
+    """A .jsonl file; a shard is a run of non-blank lines (its bytes, for the ETA)."""
+    path: Path
+    reader: str = "jsonl"
+
+    @property
+    def source(self) -> str:
+        return str(self.path)
+
+    def files(self) -> list[Path]:
+        return [self.path]
+
+    def plan(self, docs_per_shard: int) -> list[Shard]:
+        return _plan(self.path, docs_per_shard)
+
+    def docs(self, tok: QwenTokenizer, shard: Shard) -> Iterator[Doc]:
+        return jsonl_docs(self.path, tok, shard.bytes[0], shard.bytes[1], shard.lines[0])
+
+    def work(self, shard: Shard) -> int:
+        return shard.bytes[1] - shard.bytes[0]
 
 
 @dataclass
@@ -131,6 +219,7 @@ class Manifest:
     source: str
     source_sha256: str
     source_bytes: int
+    reader: str
     tokenizer: str
     docs_per_shard: int
     shards: list[Shard]  # every shard of the plan; done: those written (sha256 set)
@@ -148,48 +237,27 @@ class Manifest:
         return np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), dtype=np.uint32)
 
 
-def _file_sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+_worker: tuple[Corpus, QwenTokenizer] | None = None  # this process's corpus and tokenizer
 
 
-def _plan(source: Path, docs_per_shard: int) -> list[Shard]:
-    """Contiguous line ranges of ``docs_per_shard`` non-blank lines each (the last one to the end of the file)."""
-    starts: list[tuple[int, int]] = []  # (line, byte) of each shard's first line
-    nonblank, lineno, offset = 0, 0, 0
-    with source.open("rb") as f:
-        for raw in f:
-            lineno += 1
-            if raw.strip():
-                if nonblank % docs_per_shard == 0:
-                    starts.append((lineno, offset) if starts else (1, 0))
-                nonblank += 1
-            offset += len(raw)
-    ends = [(line - 1, byte) for line, byte in starts[1:]] + [(lineno, offset)]
-    return [Shard(f"shard_{i:05d}.npy", [line, end_line], [byte, end_byte])
-            for i, ((line, byte), (end_line, end_byte)) in enumerate(zip(starts, ends))]
+def _init_worker(corpus: Corpus, tokenizer: str) -> None:
+    global _worker
+    _worker = corpus, QwenTokenizer(tokenizer)
 
 
-_worker_tok: QwenTokenizer | None = None
-
-
-def _init_worker(tokenizer: str) -> None:
-    global _worker_tok
-    _worker_tok = QwenTokenizer(tokenizer)
-
-
-def _tokenize_shard(job: tuple[str, dict]) -> tuple[dict, np.ndarray]:
-    """One shard's manifest entry (its counts) and its [2, n] uint32 array, tokenized from its bytes of the source."""
-    source, shard = Path(job[0]), Shard(**job[1])
+def _tokenize_shard(entry: dict) -> tuple[dict, np.ndarray]:
+    """One shard's manifest entry (its counts) and its [2, n] uint32 array, tokenized from its range of the corpus."""
+    corpus, tok = _worker
+    shard = Shard(**entry)
     ids: list[int] = []
     mask: list[bool] = []
-    documents = 0
-    for doc_ids, doc_mask in jsonl_docs(source, _worker_tok, shard.bytes[0], shard.bytes[1], shard.lines[0]):
+    for doc_ids, doc_mask in corpus.docs(tok, shard):
         ids += doc_ids
         mask += doc_mask
-        documents += 1
+        shard.documents += 1
     array = np.array([ids, mask], dtype=np.uint32).reshape(2, -1)
-    return asdict(Shard(shard.file, shard.lines, shard.bytes, documents, len(ids), int(array[1].sum()))), array
+    shard.tokens, shard.trained_tokens = len(ids), int(array[1].sum())
+    return asdict(shard), array
 
 
 def _write_shard(path: Path, array: np.ndarray) -> str:
@@ -209,15 +277,14 @@ class _Progress:
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.enabled, self.start = total, enabled, time.monotonic()
-        self.done = self.tokens = self.bytes = 0
+        self.done = self.tokens = self.work = 0
 
-    def update(self, shard: Shard, todo_bytes: int) -> None:
-        self.done, self.tokens, self.bytes = self.done + 1, self.tokens + shard.tokens, self.bytes + (
-            shard.bytes[1] - shard.bytes[0])
+    def update(self, shard: Shard, work: int, todo_work: int) -> None:
+        self.done, self.tokens, self.work = self.done + 1, self.tokens + shard.tokens, self.work + work
         if not self.enabled:
             return
         elapsed = max(time.monotonic() - self.start, 1e-9)
-        eta = elapsed * (todo_bytes - self.bytes) / max(self.bytes, 1)  # by source bytes: shards differ in size
+        eta = elapsed * (todo_work - self.work) / max(self.work, 1)  # by source bytes or rows: shards differ in size
         line = (f"shards {self.done}/{self.total}  {self.tokens:,} tokens  {self.tokens / elapsed:,.0f} tokens/s  "
                 f"ETA {eta:.0f}s")
         tty = sys.stderr.isatty()  # a terminal: one line rewritten in place; a log file: a line per shard
@@ -238,7 +305,7 @@ def _resumable(out_dir: Path, manifest: Manifest) -> dict[str, Shard]:
     except (OSError, ValueError) as e:
         raise ValueError(f"{out_dir / MANIFEST} is unreadable ({e}); delete it (and the shards) to start over") \
             from None
-    keys = ("format", "source_sha256", "tokenizer", "docs_per_shard")
+    keys = ("format", "source_sha256", "reader", "tokenizer", "docs_per_shard")
     theirs = {k: old.get(k) for k in keys}
     ours = {k: getattr(manifest, k) for k in keys}
     if theirs != ours:
@@ -250,7 +317,8 @@ def _resumable(out_dir: Path, manifest: Manifest) -> dict[str, Shard]:
     for entry in old.get("shards", []):
         shard = Shard(**entry)
         mine = plan.get(shard.file)
-        if (shard.sha256 and mine is not None and (mine.lines, mine.bytes) == (shard.lines, shard.bytes)
+        if (shard.sha256 and mine is not None and (mine.lines, mine.bytes, mine.rows) == (shard.lines, shard.bytes,
+                                                                                          shard.rows)
                 and (out_dir / shard.file).is_file() and _file_sha256(out_dir / shard.file) == shard.sha256):
             done[shard.file] = shard
     return done
@@ -265,31 +333,35 @@ def _write_manifest(out_dir: Path, manifest: Manifest) -> None:
     atomic_write_text(out_dir / MANIFEST, json.dumps(asdict(manifest), indent=1) + "\n")
 
 
-def tokenize_to_shards(source: Path, out_dir: Path, tokenizer: str, *, workers: int = 1,
+def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, workers: int = 1,
                        docs_per_shard: int = 10_000, progress: bool = False, source_sha256: str | None = None,
                        max_shards: int | None = None) -> Manifest:
-    """Tokenize the jsonl file ``source`` into ``out_dir`` (see the module docstring) over ``workers`` processes
-    (1: in this process); resumes from the shards a previous run finished. ``max_shards`` stops after that many
-    new shards (an interrupted run, for tests). Returns the manifest as written."""
-    source, out_dir = Path(source), Path(out_dir)
+    """Tokenize ``corpus`` (a path: a .jsonl file) into ``out_dir`` (see the module docstring) over ``workers``
+    processes (1: in this process); resumes from the shards a previous run finished. ``source_sha256``: the
+    corpus's ``files_sha256`` where the caller has it. ``max_shards`` stops after that many new shards (an
+    interrupted run, for tests). Returns the manifest as written."""
+    out_dir = Path(out_dir)
+    if isinstance(corpus, (str, Path)):
+        if not Path(corpus).is_file():
+            raise FileNotFoundError(f"no such file {corpus} (a .jsonl corpus)")
+        corpus = JsonlCorpus(Path(corpus))
     if workers < 1:
         raise ValueError(f"workers={workers} must be at least 1")
     if docs_per_shard < 1:
         raise ValueError(f"docs_per_shard={docs_per_shard} must be at least 1")
-    if not source.is_file():
-        raise FileNotFoundError(f"no such file {source} (a .jsonl corpus)")
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer {tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
-    manifest = Manifest(str(source), source_sha256 or _file_sha256(source), source.stat().st_size, tokenizer,
-                        docs_per_shard, _plan(source, docs_per_shard))
+    files = corpus.files()
+    manifest = Manifest(corpus.source, source_sha256 or files_sha256(files), sum(f.stat().st_size for f in files),
+                        corpus.reader, tokenizer, docs_per_shard, corpus.plan(docs_per_shard))
     out_dir.mkdir(parents=True, exist_ok=True)
     done = _resumable(out_dir, manifest)
     manifest.shards = [done.get(s.file, s) for s in manifest.shards]
     todo = [s for s in manifest.shards if not s.sha256][:max_shards]
     index = {s.file: i for i, s in enumerate(manifest.shards)}
     bar = _Progress(len(todo), progress)
-    todo_bytes = sum(s.bytes[1] - s.bytes[0] for s in todo)
-    jobs = [(str(source), asdict(s)) for s in todo]
+    todo_work = sum(corpus.work(s) for s in todo)
+    jobs = [asdict(s) for s in todo]
     _write_manifest(out_dir, manifest)
 
     def finish(result: tuple[dict, np.ndarray]) -> None:
@@ -297,11 +369,11 @@ def tokenize_to_shards(source: Path, out_dir: Path, tokenizer: str, *, workers: 
         shard.sha256 = _write_shard(out_dir / shard.file, result[1])
         manifest.shards[index[shard.file]] = shard
         _write_manifest(out_dir, manifest)
-        bar.update(shard, todo_bytes)
+        bar.update(shard, corpus.work(shard), todo_work)
 
     try:
         if workers == 1 or len(jobs) <= 1:
-            _init_worker(tokenizer)
+            _init_worker(corpus, tokenizer)
             for job in jobs:
                 finish(_tokenize_shard(job))
         else:
@@ -309,7 +381,7 @@ def tokenize_to_shards(source: Path, out_dir: Path, tokenizer: str, *, workers: 
             # executor, not a Pool: a worker that dies (e.g. a script without a __main__ guard) fails, not hangs.
             ctx = multiprocessing.get_context("spawn")
             with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker,
-                                     initargs=(tokenizer,)) as pool:
+                                     initargs=(corpus, tokenizer)) as pool:
                 try:
                     for future in as_completed([pool.submit(_tokenize_shard, job) for job in jobs]):
                         finish(future.result())
