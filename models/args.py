@@ -21,6 +21,11 @@ class MoeArgs:
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
     router_aux_loss_coef: float = 0.001
+    # Training-only router knobs (not in config.json): the router z-loss (ST-MoE: mean over layers and tokens of
+    # logsumexp(router logits)^2) added with this coefficient; aux-loss-free balancing (DeepSeek-V3): a per-expert
+    # routing bias moved by this much per step from the global expert loads (0: off, no bias)
+    router_z_loss_coef: float = 0.0
+    router_bias_update_rate: float = 0.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
@@ -34,6 +39,9 @@ class MoeArgs:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"model.arch.num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"model.arch.num_key_value_heads={self.num_key_value_heads}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.arch.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"model.arch.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
                              f"model.arch.num_experts={self.num_experts}]")

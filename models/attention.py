@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from kernels.rotary import apply_rotary
+from models.footprint import LayerActivations, SequenceExchange
 from models.layers import causal_attention
 from models.sequence_ops import Heads, Passed, SequenceOp
 
@@ -55,3 +56,20 @@ class Attention(nn.Module):
                        doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
         """Attention over the whole sequence on the heads given (a sequence op: CP passes a head shard)."""
         return causal_attention(q_BHTd, k_BhTd, v_BhTd, doc_ids_BT, scale=self.head_dim**-0.5)
+
+    def saved_activations(self) -> LayerActivations:
+        """Per token, with the pre-norm before it. Without checkpointing: the norm's input and output, q and k before
+        their norms (+ rstd per head), q and k after rotary, v, the attention output (+ logsumexp per head); gated:
+        q_proj's output is [q | gate], and sigmoid(gate) and the gated output are kept too. Selective: the
+        projections' outputs, the attention output, o_proj's output."""
+        D, q, kv = self.o_proj.out_features, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        proj = q * (2 if self.gated else 1) + 2 * kv
+        none = 2 * D + proj + kv + 2 * q + (2 * q if self.gated else 0)
+        return LayerActivations(none=none, none_fp32=1 + 2 * self.num_heads + self.num_kv_heads,
+                                selective=proj + q + D, selective_fp32=self.num_heads)
+
+    def cp_exchange(self, cp: int) -> SequenceExchange:
+        """Per token: q, and k and v with their heads repeated to cp when fewer; back, the output like q."""
+        kv = self.num_kv_heads if self.num_kv_heads % cp == 0 else cp
+        return SequenceExchange(into=(self.num_heads + 2 * kv) * self.head_dim, into_fp32=0,
+                                out=self.num_heads * self.head_dim)

@@ -126,6 +126,8 @@ class MoeCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, TopKRouter)):
                 init(module.weight, std)
+                if isinstance(module, TopKRouter):
+                    module.reset_expert_bias()
             elif isinstance(module, RMSNorm):
                 init(module.weight, constant(module.init_value))
             elif isinstance(module, GroupedExperts):
@@ -133,6 +135,10 @@ class MoeCausalLM(nn.Module):
                 init(module.down_proj, std)
             else:
                 self.init_module(module, init)
+
+    def routers(self) -> list[TopKRouter]:
+        """The MoE layers' routers, in layer order (the order of ``CausalLMOutput.router_stats``)."""
+        return [module for module in self.modules() if isinstance(module, TopKRouter)]
 
     def init_module(self, module: nn.Module, init: ShardedInit) -> None:
         """Initialise a family-specific module's own parameters (none by default)."""

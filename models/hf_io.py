@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from core.safetensors_stream import TensorLayout, stream_gathered, write_safetensors
 from models import ModelSpec, build_args, get_spec
 from models.init import local_box
+from models.moe import TopKRouter
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +271,9 @@ def _copy_into(model: nn.Module, sources: Mapping[str, Any], read: Callable[[Any
         if local.shape != src.shape:  # copy_ would broadcast instead of failing
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} but slice {tuple(src.shape)}")
         local.copy_(src)
+    for module in model.modules():  # training state no Hugging Face checkpoint holds starts afresh
+        if isinstance(module, TopKRouter):
+            module.reset_expert_bias()
 
 
 def load_into_model(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -412,7 +416,11 @@ def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str
     loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
     it (default: keep the state dict's), one tensor at a time. ``extra_files(tmp)``, if given, is called with
     the temporary directory once the weights and config.json are in it, before it replaces ``out_dir``: it may
-    add files (the tokenizer's) or rewrite config.json."""
+    add files (the tokenizer's) or rewrite config.json. The model's buffers in ``state_dict`` (the routers'
+    aux-loss-free balancing biases: a training device transformers' routers do not have) are left out."""
+    with torch.device("meta"):
+        buffers = {name for name, _ in get_spec(model_type).model_cls(args).named_buffers()}
+    state_dict = {name: t for name, t in state_dict.items() if name not in buffers}
     dtype = dtype or next(iter(state_dict.values())).dtype
     _export(state_dict, model_type, args, out_dir, max_shard_bytes, dtype, extra_files,
             (state_dict[name].to(dtype) for name in sorted(state_dict)))

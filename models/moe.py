@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kernels.grouped_mm import grouped_mm
 from kernels.swiglu import packed_swiglu
+from models.footprint import LayerActivations
 
 
 @dataclass
@@ -28,33 +29,63 @@ class RouterStats:
     prob_sum_E: torch.Tensor  # sum over tokens of the router probability of each expert (fp32, with grad)
     num_tokens: int
     entropy_sum: torch.Tensor  # sum over tokens of the routing distribution's entropy (fp32, no grad)
+    z_sum: torch.Tensor  # sum over tokens of logsumexp(router logits)^2 (fp32, with grad): the router z-loss's
 
 
 class TopKRouter(nn.Module):
-    """``p = softmax(x W^T)`` in fp32, top-k, optional renormalisation; weights back in x's dtype."""
+    """``p = softmax(x W^T)`` in fp32, top-k, optional renormalisation; weights back in x's dtype.
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+    With ``expert_bias`` (aux-loss-free load balancing, DeepSeek-V3): a per-expert bias is added to p for the top-k
+    choice only, the weights stay p's; ``update_expert_bias`` moves it between steps. It is a buffer (saved in
+    checkpoints, not trained by the optimizer) that no Hugging Face checkpoint holds: zero at initialisation and
+    after loading one (``reset_expert_bias``), and dropped by the export (transformers' router has none).
+    ``z_loss``: the z sum of the stats carries a gradient (else it is computed for the metrics only, keeping
+    nothing for backward)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, expert_bias: bool = False,
+                 z_loss: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.z_loss = z_loss
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
         logits_NE = F.linear(x_ND, self.weight)
         probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
-        weights_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
+        else:
+            experts_NK = torch.topk(probs_NE + self.expert_bias, self.top_k, dim=-1).indices
+            weights_NK = probs_NE.gather(-1, experts_NK)
         if self.norm_topk_prob:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
         num_experts = probs_NE.shape[-1]
         with torch.no_grad():
             entropy_sum = -(probs_NE * probs_NE.clamp_min(1e-20).log()).sum()
+        with torch.set_grad_enabled(self.z_loss and torch.is_grad_enabled()):
+            z_sum = torch.logsumexp(logits_NE.float(), dim=-1).square().sum()
         stats = RouterStats(
             counts_E=expert_counts(experts_NK, num_experts).float(),
             prob_sum_E=probs_NE.sum(dim=0),
             num_tokens=x_ND.shape[0],
             entropy_sum=entropy_sum,
+            z_sum=z_sum,
         )
         return weights_NK.to(logits_NE.dtype), experts_NK, stats
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_E: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's update from the global batch's routed slots per expert: ``rate`` up for the experts below
+        the mean load, down for those above (its sign), centred so the biases keep a zero mean (torchtitan's)."""
+        delta_E = rate * torch.sign(counts_E.mean() - counts_E)
+        self.expert_bias.add_(delta_E - delta_E.mean())
+
+    @torch.no_grad()
+    def reset_expert_bias(self) -> None:
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
 
 
 class ExpertWeights(NamedTuple):
@@ -135,9 +166,10 @@ class GroupedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, dim: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool) -> None:
+    def __init__(self, dim: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool,
+                 expert_bias: bool = False, z_loss: bool = False) -> None:
         super().__init__()
-        self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob)
+        self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob, expert_bias, z_loss)
         self.experts = GroupedExperts(num_experts, dim, intermediate)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
@@ -145,4 +177,11 @@ class SparseMoeBlock(nn.Module):
         weights_NK, experts_NK, stats = self.gate(x_ND)
         y_ND = self.experts(x_ND, experts_NK, weights_NK)
         return y_ND.view_as(x_BTD), stats
+
+    def saved_activations(self) -> LayerActivations:
+        """Per token, with the pre-norm before it, without the routed experts' rows (the dispatcher's: see
+        ``training.planner``). Without checkpointing: the norm's input and output; fp32: its rstd, the router's
+        probabilities, the top-k ids (int64: two fp32 each) and weights. Selective: the router logits."""
+        D, E, K = self.gate.weight.shape[1], self.gate.weight.shape[0], self.gate.top_k
+        return LayerActivations(none=2 * D, none_fp32=1 + E + 3 * K, selective=E, selective_fp32=0)
 

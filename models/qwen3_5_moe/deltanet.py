@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from models.footprint import LayerActivations, SequenceExchange
 from models.layers import document_cu_seqlens
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 from models.qwen3_5_moe.layers import GatedRMSNorm
@@ -116,3 +117,20 @@ class GatedDeltaNet(nn.Module):
                          beta=beta_BTH.flatten(0, 1)[None], use_qk_l2norm_in_kernel=True,
                          cu_seqlens=document_cu_seqlens(doc_ids_BT))
         return o_1NHv.view(B, T, H, dv)
+
+    def saved_activations(self) -> LayerActivations:
+        """Per token, with the pre-norm before it, for FLA's chunked kernel. Without checkpointing: the norm's input
+        and output, in_proj_qkv's output, the conv's output and its silu (F each), sigmoid(b), z, the delta rule's
+        output and the gated norm's output (value dim each); fp32: a, g, the rstds. Selective: the projections'
+        outputs and out_proj's."""
+        D, H = self.out_proj.out_features, self.num_v_heads
+        conv = 2 * self.key_dim + self.value_dim
+        return LayerActivations(none=2 * D + 3 * conv + 3 * self.value_dim + H, none_fp32=3 * H + 1,
+                                selective=conv + self.value_dim + 2 * H + D, selective_fp32=0)
+
+    def cp_exchange(self, cp: int) -> SequenceExchange:
+        """Per token: q and k (key heads repeated to cp when fewer), v and beta in the compute dtype, g in fp32;
+        back, the output like v."""
+        h = self.num_k_heads if self.num_k_heads % cp == 0 else cp
+        return SequenceExchange(into=2 * h * self.head_k_dim + self.value_dim + self.num_v_heads,
+                                into_fp32=self.num_v_heads, out=self.value_dim)

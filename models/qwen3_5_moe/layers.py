@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from kernels.norm import gated_rms_norm, offset_rms_norm
 from kernels.swiglu import swiglu
+from models.footprint import LayerActivations
 from models.layers import RMSNorm, rotary_cos_sin
 from models.moe import RouterStats, SparseMoeBlock
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
@@ -91,7 +92,8 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def __init__(self, args: Qwen3_5MoeArgs) -> None:
         # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob).
         super().__init__(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-                         norm_topk_prob=True)
+                         norm_topk_prob=True, expert_bias=args.router_bias_update_rate > 0,
+                         z_loss=args.router_z_loss_coef > 0)
         self.shared_expert = SwiGLU(args.hidden_size, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
@@ -99,3 +101,10 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         routed_BTD, stats = super().forward(x_BTD)
         shared_BTD = torch.sigmoid(self.shared_expert_gate(x_BTD)) * self.shared_expert(x_BTD)
         return routed_BTD + shared_BTD, stats
+
+    def saved_activations(self) -> LayerActivations:
+        """The routed block's, plus the shared expert's gate and up outputs, its SwiGLU output and its output, and
+        the gate's sigmoid; selective: its three projections' outputs and the gate logit."""
+        I, D = self.shared_expert.gate_proj.out_features, self.shared_expert.down_proj.out_features
+        shared = LayerActivations(none=3 * I + D + 1, none_fp32=0, selective=2 * I + D + 1, selective_fp32=0)
+        return super().saved_activations() + shared

@@ -25,7 +25,8 @@ class DecoderLayer(MoeDecoderLayer):
                                    args.head_dim, args.rms_norm_eps, norm=RMSNorm)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = SparseMoeBlock(args.hidden_size, args.num_experts, args.num_experts_per_tok,
-                                  args.moe_intermediate_size, args.norm_topk_prob)
+                                  args.moe_intermediate_size, args.norm_topk_prob,
+                                  expert_bias=args.router_bias_update_rate > 0, z_loss=args.router_z_loss_coef > 0)
 
     def mix(self, h_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
             doc_ids_BT: torch.Tensor | None) -> torch.Tensor:

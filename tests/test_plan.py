@@ -1,0 +1,150 @@
+"""The planner (``training/planner.py``) against measurements.
+
+Communication: one step of ``train.run`` on 4 gloo ranks with every collective counted at the dispatcher (c10d and
+functional ops: FSDP2's all-gathers and reduce-scatters, the EP and CP all-to-alls, HSDP's all-reduces), bytes of
+each call's input summed over ranks, must equal the plan exactly: integers, per (kind, mesh). The scalar
+all-reduces of the loss, the gradient norm and the stop signal are not planned and not compared.
+
+Memory: the plan's peak against the H200 peaks recorded in docs/benchmarks.md, within 10%.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import parallelisms
+import train
+from tests.conftest import TINY_MODEL, compose_config, write_tokens
+from tests.dist_utils import run_distributed
+from training.planner import GiB, PlanConfig, plan
+
+WORLD = 4
+# Per layout: the model and the overrides. ep2 on 4 ranks has EP (eager) and expert FSDP (efsdp 2); fsdp2 shards
+# the experts over all 4; cp2 replicates them over expert_cp (HSDP all-reduce); Qwen3.5 brings DeltaNet's exchange.
+QWEN35_TINY = ["model=qwen35_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
+               "model.arch.moe_intermediate_size=16", "model.arch.shared_expert_intermediate_size=16"]
+CASES = {
+    "ep2": [*TINY_MODEL, "parallel=ep2", "dispatcher=eager"],
+    "ep2_domino_full_ac": [*TINY_MODEL, "parallel=ep2", "dispatcher=domino", "parallel.activation_checkpoint=full"],
+    "ep2_selective_ac": [*TINY_MODEL, "parallel=ep2", "parallel.activation_checkpoint=selective"],
+    "fsdp2": [*TINY_MODEL, "parallel=fsdp2"],
+    "cp2": [*TINY_MODEL, "parallel=cp2"],
+    "hsdp": [*TINY_MODEL, "parallel=hsdp", "parallel.activation_checkpoint=selective"],
+    "qwen35_cp2_ep2": [*QWEN35_TINY, "parallel=ep2", "parallel.cp_size=2"],
+}
+# Op -> (kind, position of its input): c10d's base ops take (output, input, ...), the functional ones the input first.
+KINDS = {"_allgather_base_": ("all_gather", 1), "all_gather_into_tensor": ("all_gather", 0),
+         "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor": ("reduce_scatter", 0),
+         "all_to_all_single": ("all_to_all", 0), "allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0)}
+PLANNED_MESHES = {"fsdp": "mp_shard", "mp_replicate": "mp_replicate", "efsdp": "efsdp", "ep": "ep",
+                  "edp_cp": "edp_cp", "cp": "cp"}  # the plan's mesh name -> the trainer's
+
+
+class CountCollectives(TorchDispatchMode):
+    """Bytes of each collective's input by (kind, process group name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind, at = KINDS.get(func.__name__.split(".")[0], (None, 0))
+        if kind is not None and func.namespace in ("c10d", "_c10d_functional"):
+            tensors = args[at] if isinstance(args[at], (list, tuple)) else [args[at]]  # allreduce_: a list
+            group = next(a for a in args[1:] if isinstance(a, (str, torch.ScriptObject)))
+            name = group if isinstance(group, str) else dist.ProcessGroup.unbox(group).group_name
+            self.bytes[kind, name] += sum(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def _count_worker(rank: int, world_size: int, cfgs: dict) -> dict:
+    counted = {}
+    for case, cfg in cfgs.items():
+        built = []
+
+        def capture(*args, **kwargs):
+            built.append(build(*args, **kwargs))
+            return built[-1]
+
+        build = parallelisms.build_parallel_dims
+        counter = CountCollectives()
+        with mock.patch.object(parallelisms, "build_parallel_dims", capture), counter:
+            train.run(cfg)
+        groups = {}
+        for planned, name in PLANNED_MESHES.items():
+            if name in built[0].meshes and built[0].mesh(name).size() > 1:
+                groups.setdefault(built[0].mesh(name).get_group().group_name, []).append(planned)
+        by_mesh = collections.Counter()  # meshes that are one process group (fsdp2: fsdp and efsdp) count together
+        for (kind, group), nbytes in counter.bytes.items():
+            by_mesh[kind, "+".join(groups.get(group, ["other"]))] += nbytes
+        keys = sorted(by_mesh)
+        mine = torch.tensor([by_mesh[k] for k in keys], dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine)  # same keys on every rank: every rank runs the same collectives
+        counted[case] = {"keys": keys, "bytes": torch.stack(gathered).sum(0).tolist(), "groups": groups}
+    return counted
+
+
+def _config(tmp_path: Path, case: str, overrides: list[str]):
+    return compose_config([*overrides, "data=tokens", f"data.path={tmp_path / 'tokens.npy'}", "data.seq_len=16",
+                           f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / case}",
+                           "train.steps=1", "train.local_batch_size=2", "train.save_final=false",
+                           "train.device=cpu", "train.mixed_precision=fp32", "logging.tensorboard=false",
+                           f"launch.nproc_per_node={WORLD}"])
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("plan")
+    write_tokens(tmp_path / "tokens.npy", 4096)
+    cfgs = {case: _config(tmp_path, case, overrides) for case, overrides in CASES.items()}
+    return cfgs, run_distributed(_count_worker, WORLD, cfgs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_planned_collective_bytes_equal_the_counted_ones(counted, case):
+    cfgs, results = counted
+    result = results[case]
+    got = dict(zip(map(tuple, result["keys"]), result["bytes"]))
+    # Unplanned: the scalar all-reduces of loss, gradient norm and stop signal (all_reduce on other groups).
+    got = {k: v for k, v in got.items() if k[0] != "all_reduce" or {"edp_cp", "mp_replicate"} & set(k[1].split("+"))}
+    group_of = {mesh: "+".join(meshes) for meshes in result["groups"].values() for mesh in meshes}
+    want = collections.Counter()
+    for c in plan(cfgs[case], PlanConfig()).collectives:
+        want[c.kind, group_of[c.mesh]] += c.bytes
+    assert got == dict(want), result["groups"]
+
+
+# Peak memory measured on 2 x H200 (torch 2.11, bf16 compute, fp32 master weights, AdamW and reduction), copied
+# from docs/benchmarks.md: (label, train.py overrides, GiB). Measured with
+#   python scripts/bench.py --model qwen3_moe_30b_a3b --layers L --nproc 2 --layouts ep2|fsdp2 --dispatchers D \
+#       --steps 20 --warmup 5 optim.lr=3e-4                                    (seq 4096, local batch 4)
+#   torchrun --standalone --nproc_per_node 2 train.py model=qwen3_moe_30b_a3b model.arch.num_hidden_layers=4 \
+#       parallel=fsdp2|cp2 data=tokens data.seq_len=S train.local_batch_size=1 train.steps=3  (the CP section)
+QWEN3_30B = ["model=qwen3_moe_30b_a3b", "data.seq_len=4096", "train.local_batch_size=4"]
+LONG = ["model=qwen3_moe_30b_a3b", "model.arch.num_hidden_layers=4", "train.local_batch_size=1"]
+MEASURED_PEAKS = [
+    ("8 layers, ep2, fused", [*QWEN3_30B, "model.arch.num_hidden_layers=8", "parallel=ep2", "dispatcher=fused"], 54.0),
+    ("8 layers, ep2, eager", [*QWEN3_30B, "model.arch.num_hidden_layers=8", "parallel=ep2", "dispatcher=eager"], 62.3),
+    ("8 layers, fsdp2", [*QWEN3_30B, "model.arch.num_hidden_layers=8", "parallel=fsdp2"], 58.7),
+    ("4 layers, ep2, fused", [*QWEN3_30B, "model.arch.num_hidden_layers=4", "parallel=ep2", "dispatcher=fused"], 30.8),
+    ("4 layers, ep2, eager", [*QWEN3_30B, "model.arch.num_hidden_layers=4", "parallel=ep2", "dispatcher=eager"], 35.0),
+    ("4 layers, fsdp2, seq 49,152", [*LONG, "parallel=fsdp2", "data.seq_len=49152"], 57.8),
+    ("4 layers, fsdp2, seq 65,536", [*LONG, "parallel=fsdp2", "data.seq_len=65536"], 69.8),
+    ("4 layers, cp2, seq 65,536", [*LONG, "parallel=cp2", "data.seq_len=65536"], 59.1),
+    ("4 layers, cp2, seq 98,304", [*LONG, "parallel=cp2", "data.seq_len=98304"], 71.6),
+]
+
+
+@pytest.mark.parametrize("label,overrides,measured_gib", MEASURED_PEAKS, ids=[m[0] for m in MEASURED_PEAKS])
+def test_planned_peak_memory_is_within_10_percent_of_the_h200_measurement(label, overrides, measured_gib):
+    cfg = compose_config([*overrides, "train.mixed_precision=bf16"])
+    peak_gib = plan(cfg, PlanConfig(gpus=2)).memory.peak / GiB
+    assert peak_gib == pytest.approx(measured_gib, rel=0.10), label

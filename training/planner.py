@@ -1,0 +1,421 @@
+"""Plan a run without running it: per-GPU memory, the bytes of every collective of a step, a predicted step time.
+
+Pure arithmetic on a model built on the meta device (its parameter shapes and the per-token sizes its modules
+declare, ``models/footprint.py``) and the layout's sizes (``parallelisms.resolve_sizes``), for any number of GPUs.
+``scripts/plan.py`` prints it; ``docs/scaling.md`` says what it assumes and where it was checked.
+
+Collective bytes are each call's input buffer, the part a rank keeps included, summed over all ranks and calls of a
+step; so for the EP all-to-all they do not depend on routing (every routed row travels once each way, and the
+rows one rank receives are rows another sent). What crosses a link does depend on it: the step time assumes
+balanced routing, (P - 1) / P of an all-to-all's input leaving the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import models
+from kernels.linear_cross_entropy import default_chunk_rows
+from models.footprint import NO_ACTIVATIONS, LayerActivations
+from parallelisms import ParallelSizes, expert_shard_dim, resolve_sizes, validate_parallel_config
+from training.config import TrainConfig, validate
+
+GiB = 2**30
+FP32, INT64 = 4, 8
+# Dispatchers whose traffic the planner counts: one count exchange and four row all-to-alls per layer (domino: the
+# same rows in two chunks). dedup sends each token once per destination rank, which depends on routing.
+COUNTED_DISPATCHERS = ("eager", "fused", "domino")
+
+
+@dataclass
+class PlanConfig:
+    """``plan.*`` overrides of scripts/plan.py: the machine planned for."""
+
+    gpus: int = 0  # world size planned for; 0: launch.nproc_per_node
+    gpus_per_node: int = 8
+    nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
+    internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
+    # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (docs/benchmarks.md: 350
+    # TFLOP/s as counted there) without its optimizer time, and with the masked half of attention not counted.
+    tflops: float = 350.0
+    hbm_gb_s: float = 4260.0  # device memory copy rate (the optimizer's time): measured on the H200 (BRIEF)
+    capacity_gib: float = 80.0  # per GPU: what "fits" means
+    sweep: bool = False  # scripts/plan.py: try every candidate layout (candidate_layouts) instead of the configured one
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit's parameters on one rank: ``numel`` unsharded (under EP: this ep rank's experts), ``shard``
+    the padded share this rank stores. Sharded over ``shard_mesh`` (size ``shard_size``), gradients all-reduced over
+    ``replicate_mesh`` (HSDP; nothing when it has one rank)."""
+
+    name: str
+    numel: int
+    shard: int
+    shard_mesh: str
+    shard_size: int
+    replicate_mesh: str
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective on one mesh over a step: ``calls`` per rank, ``bytes`` summed over all ranks (each
+    call's input), ``seconds`` on the links as stated, ``exposed``: not hidden behind compute."""
+
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
+    mesh: str  # fsdp | mp_replicate | efsdp | edp_cp | ep | cp
+    what: str
+    calls: int
+    bytes: int
+    seconds: float
+    exposed: bool
+
+
+@dataclass
+class Memory:
+    """Per GPU, bytes; ``activations`` per checkpointing mode, ``peak`` for the configured one."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: dict[str, int]
+    recompute: dict[str, int]  # one layer's activations rebuilt in its backward
+    routed_buffers: int  # a layer's routed-row gradients and their all-to-all copies in flight
+    lm_head: int  # chunk logits in forward; the input and weight gradients it keeps for backward
+    fsdp_buffers: int  # gathered units (current and prefetched), unsharded gradients, reduce-scatter input
+    peak: int
+    peak_phase: str
+
+
+@dataclass
+class Plan:
+    sizes: ParallelSizes
+    tokens_per_gpu: int  # per step
+    units: list[Unit]
+    collectives: list[Collective]
+    memory: Memory
+    compute_s: float
+    optimizer_s: float
+    step_s: float
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_gpu / self.step_s
+
+
+# ----------------------------------------------------------------------------- parameters: FSDP units and shards
+
+def _padded_shard(shape: tuple[int, ...], dim: int, ranks: int) -> int:
+    """FSDP2's share of one rank: dim 0 padded up to a multiple of the ranks (other dims must divide evenly)."""
+    rows = math.ceil(shape[dim] / ranks) if dim == 0 else shape[dim] // ranks
+    return rows * math.prod(shape) // shape[dim]
+
+
+def fsdp_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes) -> list[Unit]:
+    """The units of the fsdp2 plan (``parallelisms.parallelize``): embeddings, each block without its experts, the
+    block's experts (split over ep, then sharded over efsdp), final norm + LM head (kept gathered after forward)."""
+    outer = dict(shard_mesh="fsdp", shard_size=s.mp_shard, replicate_mesh="mp_replicate")
+
+    def unit(name: str, params: list[torch.Tensor], **kw: Any) -> Unit:
+        return Unit(name, numel=sum(p.numel() for p in params),
+                    shard=sum(_padded_shard(tuple(p.shape), 0, s.mp_shard) for p in params), **{**outer, **kw})
+
+    units = [unit("embeddings", list(model.get_submodule(spec.embeddings).parameters()), reshard_after_forward=True)]
+    for i, block in enumerate(model.get_submodule(spec.blocks)):
+        experts = block.get_submodule(spec.experts)
+        expert_ids = {id(p) for p in experts.parameters()}
+        units.append(unit(f"block {i}", [p for p in block.parameters() if id(p) not in expert_ids],
+                          reshard_after_forward=True))
+        local = [(p.shape[0] // s.ep, *p.shape[1:]) for p in experts.parameters()]
+        dim = expert_shard_dim(s.efsdp, s.ep, experts.num_experts)
+        units.append(Unit(f"block {i} experts", numel=sum(math.prod(shape) for shape in local),
+                          shard=sum(_padded_shard(shape, dim, s.efsdp) for shape in local), shard_mesh="efsdp",
+                          shard_size=s.efsdp, replicate_mesh="edp_cp", reshard_after_forward=True))
+    final = [p for name in spec.final for p in model.get_submodule(name).parameters()]
+    units.append(unit("final", final, reshard_after_forward=False))
+    return units
+
+
+# ----------------------------------------------------------------------------- the machine: which links a group uses
+
+MESH_DIMS = {  # mesh -> (layout, its dims): the unflattenings of parallelisms.dims
+    "fsdp": ("model", ("mp_shard",)), "mp_replicate": ("model", ("mp_replicate",)),
+    "efsdp": ("expert", ("efsdp",)), "ep": ("expert", ("ep",)), "edp_cp": ("expert", ("edp", "expert_cp")),
+    "cp": ("data", ("cp",)),
+}
+
+
+def group_ranks(s: ParallelSizes, mesh: str) -> list[int]:
+    """Rank 0's group on ``mesh``: every rank layout is row-major over its dims (``parallelisms.dims``)."""
+    layout, dims = MESH_DIMS[mesh]
+    shape = {"model": {"mp_replicate": s.mp_replicate, "mp_shard": s.mp_shard},
+             "data": {"dp": s.dp, "cp": s.cp},
+             "expert": dict(zip(("edp", "efsdp", "ep", "expert_cp"), s.expert_mesh_shape))}[layout]
+    strides, stride = {}, 1
+    for name in reversed(shape):
+        strides[name], stride = stride, stride * shape[name]
+    ranks = [0]
+    for name in dims:
+        ranks = [r + i * strides[name] for r in ranks for i in range(shape[name])]
+    return ranks
+
+
+def _link_seconds(kind: str, input_bytes: float, ranks: list[int], machine: PlanConfig) -> float:
+    """One call on one GPU: ring all-gather / reduce-scatter / all-reduce, or an all-to-all with balanced splits,
+    at NVLink speed inside a node and at the NIC's between nodes (the slower link bounds a ring)."""
+    P = len(ranks)
+    if P == 1:
+        return 0.0
+    nodes = {r // machine.gpus_per_node for r in ranks}
+    if kind == "all_to_all":
+        on_node = sum(r // machine.gpus_per_node == 0 for r in ranks)
+        inside = input_bytes * (on_node - 1) / P / (machine.nvlink_gb_s * 1e9)
+        outside = input_bytes * (P - on_node) / P / (machine.internode_gb_s * 1e9)
+        return max(inside, outside)
+    sent = {"all_gather": input_bytes * (P - 1), "reduce_scatter": input_bytes * (P - 1) / P,
+            "all_reduce": 2 * input_bytes * (P - 1) / P}[kind]
+    return sent / ((machine.internode_gb_s if len(nodes) > 1 else machine.nvlink_gb_s) * 1e9)
+
+
+# ----------------------------------------------------------------------------- communication of one step
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step runs on each rank."""
+
+    tokens: int  # N: tokens of one micro-batch on this rank (local batch x seq_len / cp)
+    micro_batches: int
+    compute_bytes: int  # 2 for bf16 compute, 4 for fp32
+    checkpoint: str  # none | full | selective
+    dispatcher: str
+
+
+def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: ParallelSizes, step: StepShape,
+                machine: PlanConfig) -> list[Collective]:
+    """Every collective of one step that moves parameters, gradients or activations: FSDP's per unit (as
+    ``_apply_fsdp2_plan`` sets them: gathered for forward and again for backward unless kept, reduced once per
+    micro-batch, all-reduced over the replicas under HSDP), the EP all-to-alls per MoE layer and the CP ones per
+    sequence op. The loss, gradient-norm and stop-signal all-reduces (scalars) are left out."""
+    out: list[Collective] = []
+
+    def add(kind: str, mesh: str, what: str, calls: int, rank_bytes: int, exposed: bool) -> None:
+        """``calls`` per micro-batch on every rank, carrying ``rank_bytes`` of input together."""
+        ranks = group_ranks(s, mesh)
+        if len(ranks) == 1 or calls == 0:
+            return
+        m = step.micro_batches
+        out.append(Collective(kind, mesh, what, calls * m, rank_bytes * m * s.world_size,
+                              m * _link_seconds(kind, rank_bytes, ranks, machine), exposed))
+
+    b = step.compute_bytes
+    for u in units:  # FSDP: gather before forward (and again before backward if resharded), reduce once
+        gathers = (2 if u.reshard_after_forward else 1) if u.shard_size > 1 else 0
+        add("all_gather", u.shard_mesh, u.name, gathers, gathers * u.shard * b, False)
+        reduces = 1 if u.shard_size > 1 else 0
+        add("reduce_scatter", u.shard_mesh, u.name, reduces, reduces * u.shard * u.shard_size * FP32, False)
+        add("all_reduce", u.replicate_mesh, u.name, 1, u.shard * FP32, False)
+    _merge_units(out)
+
+    args = model.args
+    layers = len(model.get_submodule(spec.blocks))
+    forwards = 2 if step.checkpoint == "full" else 1  # full checkpointing runs each block's forward again
+    if s.ep > 1:
+        if step.dispatcher not in COUNTED_DISPATCHERS:
+            raise ValueError(f"dispatcher.name={step.dispatcher!r}: the planner counts the traffic of "
+                             f"{', '.join(COUNTED_DISPATCHERS)} only (dedup's depends on routing)")
+        chunks = 2 if step.dispatcher == "domino" else 1
+        calls = layers * forwards
+        add("all_to_all", "ep", "expert counts", calls, calls * chunks * args.num_experts * INT64, True)
+        # Dispatch and combine in each forward and once more each in backward; summed over the ep ranks, the rows
+        # received equal the rows sent, tokens x top-k.
+        calls = layers * (2 * forwards + 2) * chunks
+        add("all_to_all", "ep", "routed rows", calls,
+            calls // chunks * step.tokens * args.num_experts_per_tok * args.hidden_size * b, True)
+    if s.cp > 1:
+        ops = [m.cp_exchange(s.cp) for m in model.modules() if hasattr(m, "cp_exchange")]
+        passes = forwards + 1  # each forward, and the backward's mirror image
+        per_token = sum(x.into * b + x.into_fp32 * FP32 + x.out * b for x in ops)
+        calls = sum((2 if x.into_fp32 and b != FP32 else 1) + 1 for x in ops)  # in: one per dtype; out: one
+        add("all_to_all", "cp", "heads", calls * passes, passes * step.tokens * per_token, True)
+        add("all_gather", "cp", "position ids", 1, step.tokens * INT64, True)  # documents: once per forward
+    return out
+
+
+def _merge_units(out: list[Collective]) -> None:
+    """One row per kind, mesh and kind of unit: the blocks together, their experts together."""
+    merged: dict[tuple[str, str, str], Collective] = {}
+    for c in out:
+        what = ("experts" if c.what.endswith("experts") else "blocks") if c.what.startswith("block ") else c.what
+        prev = merged.get((c.kind, c.mesh, what))
+        merged[c.kind, c.mesh, what] = dataclasses.replace(c, what=what) if prev is None else dataclasses.replace(
+            prev, calls=prev.calls + c.calls, bytes=prev.bytes + c.bytes, seconds=prev.seconds + c.seconds)
+    out[:] = merged.values()
+
+
+# ----------------------------------------------------------------------------- memory of one GPU
+
+def _routed_activations(args: Any, ep: int, dispatcher: str) -> LayerActivations:
+    """Per token, the routed experts' rows (K per token) through the dispatcher. Without checkpointing: the rows in
+    expert order (the first grouped GEMM's input), its [gate | up] output, the SwiGLU output and the expert outputs
+    the weighted sum keeps; eager also keeps the rows in arrival order. Selective: the all-to-alls' outputs (under
+    EP) and the grouped GEMMs' outputs, and the weighted sum."""
+    D, I, K = args.hidden_size, args.moe_intermediate_size, args.num_experts_per_tok
+    none = K * (2 * D + 3 * I) + (K * D if dispatcher == "eager" and ep > 1 else 0)
+    return LayerActivations(none=none, none_fp32=0, selective=K * (2 * I + D) + (2 * K * D if ep > 1 else 0) + D,
+                            selective_fp32=0)
+
+
+def layer_activations(block: nn.Module, args: Any, ep: int, dispatcher: str) -> LayerActivations:
+    """Per token, what one block keeps for backward without checkpointing and under selective checkpointing (plus
+    the block's input, which checkpointing keeps)."""
+    declared = sum((m.saved_activations() for m in block.modules() if hasattr(m, "saved_activations")),
+                   NO_ACTIVATIONS)
+    block_input = LayerActivations(0, 0, args.hidden_size, 0)
+    return declared + _routed_activations(args, ep, dispatcher) + block_input
+
+
+def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: ParallelSizes, step: StepShape
+           ) -> Memory:
+    """The peak is the largest of four moments of a steady-state step (AdamW's state exists):
+
+    - the LM head's forward: every block's activations, one chunk of logits, the head's kept gradients;
+    - the last block's backward: every block's activations, the head's gradients, the gathered final unit, this
+      block's and the prefetched block's gathered parameters, its unsharded gradients and reduce-scatter input,
+      the routed rows' gradients in flight, and under checkpointing the block's rebuilt activations;
+    - the embeddings' backward: every gradient, the embedding gathered, its unsharded gradient and reduce input;
+    - the optimizer step: parameters, gradients and AdamW's two moments, all sharded fp32.
+    """
+    args, b, N = model.args, step.compute_bytes, step.tokens
+    shard = sum(u.shard for u in units)
+    params, grads, optimizer = shard * FP32, shard * FP32, 2 * shard * FP32
+    blocks = list(model.get_submodule(spec.blocks))
+    per_layer = [layer_activations(block, args, s.ep, step.dispatcher) for block in blocks]
+
+    def nbytes(elements: int, fp32: int) -> int:
+        return N * (elements * b + fp32 * FP32)
+
+    full = [nbytes(a.none, a.none_fp32) for a in per_layer]
+    kept = {"none": full, "selective": [nbytes(a.selective, a.selective_fp32) for a in per_layer],
+            "full": [N * args.hidden_size * b for _ in per_layer]}
+    activations = {mode: sum(layers) for mode, layers in kept.items()}
+    recompute = {mode: max(max(f - k, 0) for f, k in zip(full, layers)) for mode, layers in kept.items()}
+    routed_buffers = 2 * N * args.num_experts_per_tok * args.hidden_size * b
+
+    V, D = args.vocab_size, args.hidden_size
+    head_grads = N * D * b + V * D * b  # kept from forward (kernels.linear_cross_entropy)
+    chunk_logits = min(N, default_chunk_rows(V)) * V * b
+    by_name = {u.name: u for u in units}
+    final, embeddings = by_name["final"], by_name["embeddings"]
+
+    def gathered_with_grads(u: Unit) -> int:
+        """A unit's gathered parameters, unsharded compute-dtype gradients and fp32 reduce-scatter input."""
+        return u.numel * b * 2 + u.shard * u.shard_size * FP32
+
+    # The last block (with its experts) gathered with its gradients, and the block before it prefetched.
+    last_block = [by_name[f"block {len(blocks) - 1}"], by_name[f"block {len(blocks) - 1} experts"]]
+    last = sum(gathered_with_grads(u) + u.numel * b for u in last_block)
+    mode = step.checkpoint
+    static = params + optimizer
+    moments = {
+        "LM head forward": static + activations[mode] + final.numel * b + chunk_logits + head_grads,
+        "last block backward": static + activations[mode] + head_grads + final.numel * b + final.shard * FP32
+        + last + routed_buffers + recompute[mode],
+        "embeddings backward": static + grads + gathered_with_grads(embeddings),
+        "optimizer step": static + grads,
+    }
+    phase = max(moments, key=moments.get)
+    return Memory(params=params, grads=grads, optimizer=optimizer, activations=activations, recompute=recompute,
+                  routed_buffers=routed_buffers, lm_head=chunk_logits + head_grads, fsdp_buffers=last,
+                  peak=moments[phase], peak_phase=phase)
+
+
+# ----------------------------------------------------------------------------- the whole plan
+
+def causal_flops_per_token(args: Any, seq_len: int) -> float:
+    """The model's ``flops_per_token`` with the masked half of causal attention left out (what a flash kernel
+    skips): its attention term is the part that grows with seq_len."""
+    base = args.flops_per_token(0)
+    return base + (args.flops_per_token(seq_len) - base) / 2
+
+
+def build_meta_model(cfg: TrainConfig) -> tuple[models.ModelSpec, nn.Module]:
+    """The configured model on the meta device: shapes only, no memory."""
+    spec = models.get_spec(cfg.model.model_type)
+    args = models.build_args(cfg.model.model_type, dict(cfg.model.arch))
+    with torch.device("meta"):
+        return spec, spec.model_cls(args)
+
+
+def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, nn.Module] | None = None) -> Plan:
+    """The plan of ``cfg`` (train.py's config, checked as train.py checks it) on ``machine.gpus`` GPUs (0:
+    launch.nproc_per_node). ``built``: ``build_meta_model(cfg)``, to reuse over many layouts."""
+    world = machine.gpus or cfg.launch.nproc_per_node
+    validate(cfg)
+    if cfg.parallel.backend.name != "fsdp2":
+        raise ValueError(f"parallel.backend.name={cfg.parallel.backend.name!r}: the planner models the fsdp2 plan only")
+    spec, model = built or build_meta_model(cfg)
+    args = model.args
+    validate_parallel_config(cfg.parallel, world, args.num_experts, heads=spec.cp_head_counts(args),
+                             seq_len=cfg.data.seq_len)
+    s = resolve_sizes(cfg.parallel, world)
+    step = StepShape(tokens=cfg.train.local_batch_size * cfg.data.seq_len // s.cp,
+                     micro_batches=cfg.train.grad_accum_steps,
+                     compute_bytes=FP32 if cfg.train.mixed_precision == "fp32" else 2,
+                     checkpoint=cfg.parallel.activation_checkpoint, dispatcher=cfg.dispatcher.name)
+    units = fsdp_units(model, spec, s)
+    comms = collectives(model, spec, units, s, step, machine)
+    tokens = step.tokens * step.micro_batches
+    recompute = 4 / 3 if step.checkpoint == "full" else 1.0  # the forward (1 of 3 parts) again
+    compute_s = tokens * causal_flops_per_token(args, cfg.data.seq_len) * recompute / (machine.tflops * 1e12)
+    # AdamW reads parameter, gradient and both moments and writes three of them back, all fp32.
+    optimizer_s = sum(u.shard for u in units) * 7 * FP32 / (machine.hbm_gb_s * 1e9)
+    exposed = sum(c.seconds for c in comms if c.exposed)
+    hidden = sum(c.seconds for c in comms if not c.exposed)  # FSDP's, behind the prefetch chain
+    step_s = compute_s + exposed + max(0.0, hidden - compute_s) + optimizer_s
+    return Plan(sizes=s, tokens_per_gpu=tokens, units=units, collectives=comms,
+                memory=memory(model, spec, units, s, step), compute_s=compute_s, optimizer_s=optimizer_s,
+                step_s=step_s)
+
+
+def candidate_layouts(cfg: TrainConfig, world: int) -> list[TrainConfig]:
+    """What a sweep tries on ``world`` GPUs: ep a power of two up to the experts, cp up to 8 (with the local batch
+    times cp, so every layout trains the same tokens per GPU and the same global batch), each checkpointing mode, and
+    beside plain FSDP, HSDP of the non-expert parameters replicated across nodes (sharded within a node)."""
+    num_experts = cfg.model.arch["num_experts"]
+    powers = [2**i for i in range(int(math.log2(world)) + 1)]
+    layouts = []
+    for cp in (c for c in powers if c <= 8):
+        for ep in (e for e in powers if e <= num_experts and world // cp % e == 0):
+            for replicate in sorted({1, max(1, world // 8)}):
+                for mode in ("none", "selective", "full"):
+                    name = f"cp{cp}_ep{ep}" + (f"_hsdp{replicate}" if replicate > 1 else "") + f"_{mode}"
+                    parallel = dataclasses.replace(cfg.parallel, name=name, cp_size=cp, ep_size=ep, efsdp_size=-1,
+                                                   mp_replicate_size=replicate, activation_checkpoint=mode,
+                                                   backend=dataclasses.replace(cfg.parallel.backend, name="fsdp2"))
+                    train = dataclasses.replace(cfg.train, local_batch_size=cfg.train.local_batch_size * cp)
+                    layouts.append(dataclasses.replace(cfg, parallel=parallel, train=train))
+    return layouts
+
+
+def fits(p: Plan, machine: PlanConfig) -> bool:
+    return p.memory.peak <= machine.capacity_gib * GiB
+
+
+def sweep(cfg: TrainConfig, machine: PlanConfig) -> list[tuple[TrainConfig, Plan]]:
+    """Every candidate layout that validates for the model and sequence length: those that fit first, fastest
+    first."""
+    built = build_meta_model(cfg)
+    plans = []
+    for candidate in candidate_layouts(cfg, machine.gpus or cfg.launch.nproc_per_node):
+        try:
+            plans.append((candidate, plan(candidate, machine, built)))
+        except ValueError:
+            continue  # a layout this model or sequence length does not allow (heads, experts)
+    return sorted(plans, key=lambda c_p: (not fits(c_p[1], machine), -c_p[1].tokens_per_s_per_gpu))
