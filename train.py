@@ -31,14 +31,17 @@ from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
 from training.checkpoint import (atomic_write_text, load_checkpoint, read_train_state, resolve_resume, rng_state,
                                  save_checkpoint, save_model_weights, set_rng_state)
-from training.config import TrainConfig, check_resume_config, flat_config, register_schema, to_train_config, validate
+from training.config import (TrainConfig, check_resume_config, flat_config, register_schema, schema_defaults,
+                             to_train_config, validate)
 from training.data import build_data_loader, context_shard
+from training.evaluate import validation_loss
 from training.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
 from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun
-from training.loss import IGNORE_INDEX, aux_loss_share
-from training.metrics import MetricLogger, moe_metrics, progress_line, routing_summary
+from training.loss import IGNORE_INDEX, router_loss_shares
+from training.metrics import MetricLogger, moe_metrics, progress_line, reduce_routing, routing_summary
 from training.optim import build_optimizer, build_scheduler
 from training.profiling import StepProfiler
+from training.router_balance import update_expert_biases
 from training.run_logs import run_logs
 
 logger = logging.getLogger("train")
@@ -104,8 +107,8 @@ def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], glob
     if "data.tokenizer" in saved:  # checkpoints before model.tokenizer: the key moved (pre-tokenized data: none)
         tokenizer = saved.pop("data.tokenizer")
         saved.setdefault("model.tokenizer", "none" if saved.get("data.name") == "tokens" else tokenizer)
-    saved.setdefault("data.bin_dtype", "uint32")  # checkpoints before shards and mixtures: what they read
-    saved.setdefault("data.sources", None)
+    for key, default in schema_defaults(saved.get("model.model_type")).items():
+        saved.setdefault(key, default)  # keys added since the checkpoint: their defaults are what it did
     current = flat_config(run_config, global_batch if saved_batch is not None else None)
     for line in check_resume_config(saved, current, allow, str(source)):
         if log:
@@ -151,34 +154,37 @@ def startup_summary(cfg: TrainConfig, param_counts: tuple[int, int], dims: paral
 class StepResult(NamedTuple):
     loss: float  # mean token cross-entropy of the global batch
     aux_loss: float
+    z_loss: float
     grad_norm: float
     updated: bool
     routing_LX: torch.Tensor  # per MoE layer, this rank's share: see training.metrics.routing_summary
 
 
 def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
-               scheduler, cfg: TrainConfig, dims: parallelisms.ParallelDims, num_experts: int, aux_coef: float,
-               autocast: torch.autocast, update: bool) -> StepResult:
-    """Forward/backward over the micro-batches, clip, and (unless told not to, or non-finite) step."""
+               scheduler, cfg: TrainConfig, dims: parallelisms.ParallelDims, args: Any, autocast: torch.autocast,
+               update: bool) -> StepResult:
+    """Forward/backward over the micro-batches, clip, and (unless told not to, or non-finite) step: the
+    optimizer, the schedule and the routers' balancing biases (``args.router_bias_update_rate``)."""
     # Normalise by the global count of trained tokens so every layout optimises the same objective.
     num_tokens = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum().float()
     if dims.data_group is not None:
         dist.all_reduce(num_tokens, group=dims.data_group)
     num_tokens = num_tokens.clamp(min=1.0)
-    ce_share = aux_share = routing_LX = 0.0
+    ce_share = aux_share = z_share = routing_LX = 0.0
     for batch in batches:
         with autocast:
             out = model(batch["input_ids"], batch["position_ids"], batch["labels"])  # chunked LM head + CE
         ce = out.loss_sum / num_tokens
-        aux = aux_loss_share(out.router_stats, num_experts, dims.data_group) / len(batches)
-        ((ce + aux_coef * aux) * dims.grad_scale).backward()
-        ce_share, aux_share = ce_share + ce.detach(), aux_share + aux.detach()
+        aux, z = (share / len(batches) for share in router_loss_shares(out.router_stats, args.num_experts,
+                                                                         dims.data_group))
+        ((ce + args.router_aux_loss_coef * aux + args.router_z_loss_coef * z) * dims.grad_scale).backward()
+        ce_share, aux_share, z_share = ce_share + ce.detach(), aux_share + aux.detach(), z_share + z.detach()
         routing_LX = routing_LX + routing_summary(out.router_stats)
     grad_norm = parallelisms.clip_grad_norm_(model, cfg.optim.grad_clip, dims)
-    losses = torch.stack([ce_share, aux_share])
+    losses = torch.stack([ce_share, aux_share, z_share])
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
-    loss, aux_loss, norm = (*losses.tolist(), grad_norm.item())  # the step's one host sync
+    loss, aux_loss, z_loss, norm = (*losses.tolist(), grad_norm.item())  # the step's one host sync
     finite = math.isfinite(loss) and math.isfinite(norm)
     if not finite and cfg.train.nonfinite == "stop":
         raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
@@ -186,8 +192,11 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     if update and finite:
         optimizer.step()
         scheduler.step()
+        if args.router_bias_update_rate > 0:
+            update_expert_biases(model.routers(), routing_LX[:, :args.num_experts], args.router_bias_update_rate,
+                                 dims.data_group)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, aux_loss, norm, update and finite, routing_LX)
+    return StepResult(loss, aux_loss, z_loss, norm, update and finite, routing_LX)
 
 
 def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, Any, str | None]:
@@ -259,6 +268,9 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
                                dp_rank=dims.dp_rank, dp_size=dims.dp,
                                tokenizer=tokenizer)
+    # The held-out batches, cp-sharded once: every eval step reads the same ones.
+    val_batches = ([context_shard(b, dims.cp_rank, dims.cp) for b in loader.validation.batches(cfg.train.eval_batches)]
+                   if cfg.train.eval_every else [])
     if loader.vocab_size > model_args.vocab_size:  # pre-tokenized ids (tokenized data was checked at start-up)
         raise ValueError(f"data ids reach {loader.vocab_size - 1} but model.arch.vocab_size={model_args.vocab_size}; "
                          "use a model whose vocabulary covers the data's ids")
@@ -315,8 +327,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
             data_time = time.perf_counter() - data_start  # the loader is on the critical path: keep this small
         lr = scheduler.get_last_lr()[0]
-        result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args.num_experts,
-                            model_args.router_aux_loss_coef, autocast, update=step > 0)
+        result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args, autocast, update=step > 0)
         device.synchronize(dev_type)
         step_time = time.perf_counter() - step_start
         profiler.step_end(step)  # after the sync: the profiled wall time is complete
@@ -324,7 +335,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         tokens_total += tokens if step > 0 else 0
         per_device = tokens / step_time / dims.world_size
         metrics: dict[str, Any] = {
-            "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "grad_norm": result.grad_norm,
+            "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "z_loss": result.z_loss,
+            "grad_norm": result.grad_norm,
             "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens, "tokens_total": tokens_total,
             "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
             "tflops_per_device": per_device * flops_per_token / 1e12,
@@ -332,12 +344,20 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
             "data_time_s": data_time, "data_share": data_time / step_time,
         }
+        if val_batches and (step % cfg.train.eval_every == 0 or step == steps[-1]):
+            metrics["val_loss"] = validation_loss(model, val_batches, dev, autocast, dims.data_group)
         history.append(metrics)
         if metrics["skipped"] and dims.rank == 0:
             logger.warning("step %d skipped: loss=%s, grad_norm=%s: not finite, no update (train.nonfinite=skip)",
                            step, result.loss, result.grad_norm)
-        if step % cfg.logging.log_every == 0 or step == steps[-1]:
-            metrics.update(moe_metrics(result.routing_LX, dims.data_group))
+        log_now = step % cfg.logging.log_every == 0 or step == steps[-1] or "val_loss" in metrics
+        record_routing = cfg.logging.routing_every > 0 and step % cfg.logging.routing_every == 0
+        if log_now or record_routing:  # one all-reduce and one small copy to the host, shared by log and record
+            routing_LX = reduce_routing(result.routing_LX, dims.data_group)
+        if record_routing:
+            metric_logger.log_routing(step, routing_LX)
+        if log_now:
+            metrics.update(moe_metrics(routing_LX))
             metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
             metric_logger.log(metrics)
             if dims.rank == 0:

@@ -106,12 +106,12 @@ def our_loss_like_transformers(model, input_ids_BT: torch.Tensor, num_experts: i
     output_router_logits: mean token cross-entropy (transformers shifts the labels itself; we pass them
     shifted, with nothing to predict after the last token) + coef x Switch aux loss. The cross-entropy goes
     through the chunked LM head + loss that training uses."""
-    from training.loss import IGNORE_INDEX, aux_loss_share
+    from training.loss import IGNORE_INDEX, router_loss_shares
 
     labels_BT = torch.cat([input_ids_BT[:, 1:], torch.full_like(input_ids_BT[:, :1], IGNORE_INDEX)], dim=1)
     out = model(input_ids_BT, labels_BT=labels_BT)
     ce = out.loss_sum / (labels_BT != IGNORE_INDEX).sum()
-    return ce + aux_coef * aux_loss_share(out.router_stats, num_experts), out
+    return ce + aux_coef * router_loss_shares(out.router_stats, num_experts)[0], out
 
 
 def write_tokens(path: Path, num_tokens: int, vocab_size: int = 256, seed: int = 0) -> Path:

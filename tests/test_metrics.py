@@ -14,7 +14,7 @@ import torch
 
 from models.moe import TopKRouter
 from training.config import LoggingConfig
-from training.metrics import WANDB_ID_FILE, MetricLogger, moe_metrics, progress_line, routing_summary
+from training.metrics import WANDB_ID_FILE, MetricLogger, moe_metrics, progress_line, reduce_routing, routing_summary
 
 
 def test_imbalance_and_entropy_match_a_direct_computation():
@@ -23,7 +23,7 @@ def test_imbalance_and_entropy_match_a_direct_computation():
     torch.nn.init.normal_(router.weight)
     x_ND = torch.randn(50, 16)
     _, experts_NK, stats = router(x_ND)
-    metrics = moe_metrics(routing_summary([stats, stats]), group=None)
+    metrics = moe_metrics(reduce_routing(routing_summary([stats, stats]), group=None))
     counts = torch.bincount(experts_NK.flatten(), minlength=4).float()
     probs = torch.softmax(x_ND @ router.weight.T, dim=-1)
     entropy = -(probs * probs.log()).sum(-1).mean()

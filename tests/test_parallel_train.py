@@ -1,13 +1,17 @@
 """End to end through ``train.run``: every 4-rank preset loads the same Hugging Face weights, trains 3 steps on
 the same token file and logs the loss and grad norm of the single-process run (fp32, rel 1e-4: the layouts
 differ only in summation order). One EP layout also trains on chat data with only the assistant tokens trained,
-where the dp ranks hold different numbers of trained tokens: the loss is normalised by the global count."""
+where the dp ranks hold different numbers of trained tokens: the loss is normalised by the global count. With the
+research knobs on (aux-loss-free balancing biases, router z-loss, held-out validation), EP and CP layouts log the
+single process's losses and validation losses and end with its biases."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import train
 from models import build_args, get_spec
@@ -19,6 +23,9 @@ from training.tokenizer import QwenTokenizer
 WORLD, LOCAL_BATCH = 4, 2
 PRESETS = ["ddp", "fsdp2", "hsdp", "ep2", "ep4", "ep2_edp2"]
 CHATS = "ep2"  # the layout (dp 4) that also trains on masked chats
+KNOBS = ["model.arch.router_bias_update_rate=0.01", "model.arch.router_z_loss_coef=0.01", "data.val_fraction=0.3",
+         "train.eval_every=1", "train.eval_batches=1", "train.save_final=true"]
+KNOB_LAYOUTS = {"ep2": LOCAL_BATCH, "cp2": 2 * LOCAL_BATCH}  # the local batch of the reference's global batch
 
 
 def train_config(tmp_path: Path, parallel: str, local_batch: int, *overrides: str, run: str | None = None,
@@ -64,9 +71,13 @@ def runs(tmp_path_factory):
     write_inputs(tmp_path, dict(single.model.arch))
     single_chats = train_config(tmp_path, "single", LOCAL_BATCH * WORLD, run="single-chats", chats=True)
     write_inputs(tmp_path, dict(single_chats.model.arch), chats=True)
-    reference = {"tokens": train.run(single), "chats": train.run(single_chats)}
+    single_knobs = train_config(tmp_path, "single", LOCAL_BATCH * WORLD, *KNOBS, run="single-knobs", chats=True)
+    reference = {"tokens": train.run(single), "chats": train.run(single_chats), "knobs": train.run(single_knobs)}
     cfgs = {p: train_config(tmp_path, p, LOCAL_BATCH) for p in PRESETS}
     cfgs[f"{CHATS}-chats"] = train_config(tmp_path, CHATS, LOCAL_BATCH, run=f"{CHATS}-chats", chats=True)
+    for layout, local_batch in KNOB_LAYOUTS.items():
+        cfgs[f"{layout}-knobs"] = train_config(tmp_path, layout, local_batch, *KNOBS, run=f"{layout}-knobs",
+                                               chats=True)
     return reference, run_distributed(train_worker, WORLD, cfgs), cfgs
 
 
@@ -94,3 +105,21 @@ def test_masked_chats_with_unequal_token_counts_train_like_one_process(runs):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
     assert want[0]["grad_norm"] > 0.5  # max_norm 0.5 really clipped
+
+
+@pytest.mark.parametrize("layout", list(KNOB_LAYOUTS))
+def test_router_knobs_and_validation_are_the_same_in_every_layout(runs, layout):
+    """Losses (with the z-loss's gradient in them), validation losses and the final balancing biases against the
+    single-process run: the biases move by the global expert loads, the validation batches are cut like training's."""
+    references, results, cfgs = runs
+    got, want = results[f"{layout}-knobs"], references["knobs"]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", "z_loss", "val_loss"):
+            assert g[key] == pytest.approx(w[key], rel=1e-4), f"step {g['step']} {key}"
+    run_dir = Path(cfgs[f"{layout}-knobs"].train.output_dir)
+    biases = [{k: v for k, v in load_file(d / "model.safetensors").items() if k.endswith("expert_bias")}
+              for d in (run_dir, run_dir.parent / "single-knobs")]
+    assert sorted(biases[0]) == sorted(biases[1]) and len(biases[0]) == 2
+    assert any(t.abs().sum() > 0 for t in biases[1].values())  # the biases really moved
+    for name, bias in biases[0].items():
+        torch.testing.assert_close(bias, biases[1][name], rtol=0, atol=1e-6)

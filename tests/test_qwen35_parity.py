@@ -19,7 +19,7 @@ from models import build_args, get_spec
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
 from tests.conftest import our_loss_like_transformers
-from training.loss import aux_loss_share
+from training.loss import router_loss_shares
 
 CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
 # Both layer kinds, full attention not only last; GVA (4 value heads on 2 q/k heads), key dim != value dim;
@@ -73,7 +73,7 @@ def test_forward_loss_and_grads_match_transformers(chunk_size: int) -> None:
     with torch.no_grad():
         logits = ours(input_ids_BT).logits
     loss, out = our_loss_like_transformers(ours, input_ids_BT, ARCH["num_experts"], ARCH["router_aux_loss_coef"])
-    aux = aux_loss_share(out.router_stats, ARCH["num_experts"])
+    aux = router_loss_shares(out.router_stats, ARCH["num_experts"])[0]
     loss.backward()
     ref = hf(input_ids=input_ids_BT, labels=input_ids_BT)  # output_router_logits: loss includes coef x aux
     ref.loss.backward()

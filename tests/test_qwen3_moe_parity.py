@@ -12,7 +12,7 @@ from kernels.grouped_mm import native_grouped_mm, native_grouped_mm_ok, per_grou
 from models import build_args, get_spec
 from models.moe import GroupedExperts
 from tests.conftest import our_loss_like_transformers
-from training.loss import aux_loss_share
+from training.loss import router_loss_shares
 
 ARCH = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -54,7 +54,7 @@ def test_forward_loss_and_grads_match_transformers(experts_implementation: str |
     with torch.no_grad():
         logits = ours(input_ids_BT).logits
     loss, out = our_loss_like_transformers(ours, input_ids_BT, ARCH["num_experts"], ARCH["router_aux_loss_coef"])
-    aux = aux_loss_share(out.router_stats, ARCH["num_experts"])
+    aux = router_loss_shares(out.router_stats, ARCH["num_experts"])[0]
     loss.backward()
     ref = hf(input_ids=input_ids_BT, labels=input_ids_BT)
     ref.loss.backward()

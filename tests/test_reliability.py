@@ -16,7 +16,8 @@ import pytest
 import train
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from training import checkpoint as ckpt
-from training.optim import lr_lambda
+from training.config import OptimConfig
+from training.optim import lr_multiplier
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,6 +121,24 @@ def test_a_change_of_what_is_trained_needs_allow_changes(config, run_dir, change
         train.run(config("train.resume=auto", "train.steps=4", change))
 
 
+def test_a_checkpoint_from_before_a_key_existed_resumes_at_its_default(config, run_dir):
+    """A knob added after a checkpoint was written starts at its default, which is what that run did: missing from
+    the checkpoint's config, it reads as its default (set to anything else, it is a change like any other)."""
+    step2 = run_dir / "checkpoints" / "step_00000002"
+    state = json.loads((step2 / ckpt.TRAIN_STATE).read_text())
+    for group, key in [("optim", "schedule"), ("optim", "decay_fraction"), ("data", "val_fraction"),
+                       ("train", "eval_every"), ("model", "arch")]:
+        if group == "model":
+            del state["config"]["model"]["arch"]["router_z_loss_coef"]
+        else:
+            del state["config"][group][key]
+    (step2 / ckpt.TRAIN_STATE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"model\.arch\.router_z_loss_coef: 0\.0 -> 0\.01.*allow_changes"):
+        train.run(config("train.steps=4", f"train.resume={step2}", "model.arch.router_z_loss_coef=0.01"))
+    resumed = train.run(config("train.steps=4", f"train.resume={step2}"))
+    assert [m["step"] for m in resumed] == [3, 4]
+
+
 def test_execution_settings_may_change_and_are_listed(config, run_dir, caplog):
     step2 = run_dir / "checkpoints" / "step_00000002"
     with caplog.at_level("INFO", logger="train"):
@@ -141,7 +160,7 @@ def test_a_deliberate_lr_or_steps_change_follows_the_new_schedule_from_the_first
                                         override, f"train.allow_changes=[{key}]"))
     assert [m["step"] for m in resumed] == list(range(3, steps + 1))
     for m in resumed:  # lr(step) = new optim.lr x multiplier(updates so far; new total)
-        assert m["lr"] == lr * lr_lambda(m["step"] - 1, 1, steps, 0.1)
+        assert m["lr"] == lr * lr_multiplier(m["step"] - 1, OptimConfig(warmup_steps=1, min_lr_ratio=0.1), steps)
 
 
 # ------------------------------------------------------------------------------------- nothing overwritten

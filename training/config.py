@@ -12,6 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+import models
 from kernels.config import KernelConfig, validate_kernel_config
 from parallelisms.config import ParallelConfig
 from parallelisms.dispatchers.config import DispatcherConfig, validate_dispatcher_config
@@ -32,12 +33,21 @@ class ModelConfig:
     arch: dict[str, Any] = field(default_factory=dict)  # the family's hyper-parameters (models/<family>/args.py)
 
 
+SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule
+DECAY_SHAPES = ("linear", "cosine", "sqrt")  # optim.decay_shape
+
+
 @dataclass
 class OptimConfig:
     name: str = "adamw"
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # After warmup_steps of linear warmup: cosine (decay over every later step) | wsd (warmup-stable-decay: the peak,
+    # then a decay over the last decay_fraction of train.steps) | constant (the peak); see training.optim
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # cosine and wsd decay to lr * min_lr_ratio
     warmup_steps: int = 10
+    decay_fraction: float = 0.2  # wsd: the share of train.steps that decays, in (0, 1]
+    decay_shape: str = "sqrt"  # wsd: linear | cosine | sqrt (1 - sqrt(progress), Hägele et al. 2024)
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -58,6 +68,10 @@ class TrainSection:
     resume: str = "none"  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
     nonfinite: str = "stop"  # a non-finite loss or gradient norm: stop (raise with a report) | skip (no update)
     gc_every: int = 50  # steps between manual Python GCs (automatic GC off during the loop); 0: automatic GC
+    # Validation loss (val_loss) every eval_every steps and at the last (0: off), over the first eval_batches global
+    # batches of the data held out by data.val_fraction
+    eval_every: int = 0
+    eval_batches: int = 4
     # On resume: keys (or whole groups, e.g. data) deliberately changed from the checkpoint's config, which
     # would otherwise refuse to resume (see check_resume_config)
     allow_changes: list[str] = field(default_factory=list)
@@ -66,6 +80,9 @@ class TrainSection:
 @dataclass
 class LoggingConfig:
     log_every: int = 1  # steps between metric lines (metrics.jsonl, tensorboard, wandb)
+    # Steps between records of each MoE layer's per-expert token shares in <run_dir>/routing.jsonl (plotted by
+    # scripts/plot_routing.py); 0: off. A record costs what a log step's MoE metrics do, shared when both fall due.
+    routing_every: int = 10
     all_ranks: bool = False  # also write every other rank's log to <run_dir>/logs/rank_<r>.log (rank 0: train.log)
     tensorboard: bool = True
     wandb: bool = False
@@ -127,6 +144,10 @@ def validate(cfg: TrainConfig) -> None:
            f"train.mixed_precision={t.mixed_precision!r} must be auto, bf16 or fp32")
     _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r} must be stop or skip")
     _check(t.gc_every >= 0, f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic GC)")
+    _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: no validation)")
+    _check(t.eval_batches > 0, f"train.eval_batches={t.eval_batches} must be positive")
+    _check(not t.eval_every or cfg.data.val_fraction > 0,
+           f"train.eval_every={t.eval_every} needs held-out data: set data.val_fraction (e.g. 0.01)")
     _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: off)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     _check(cfg.launch.nproc_per_node >= 1, f"launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
@@ -134,7 +155,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _check_schedule(o, t.steps)
     _check(cfg.logging.log_every > 0, f"logging.log_every={cfg.logging.log_every} must be positive")
+    _check(cfg.logging.routing_every >= 0, f"logging.routing_every={cfg.logging.routing_every} must be >= 0 (0: off)")
     _check(cfg.logging.wandb_mode in ("offline", "online"),
            f"logging.wandb_mode={cfg.logging.wandb_mode!r} must be offline or online")
     _check(cfg.logging.profile_step >= 0, f"logging.profile_step={cfg.logging.profile_step} must be >= 0 (0: off)")
@@ -152,6 +175,20 @@ def validate(cfg: TrainConfig) -> None:
     validate_data_config(cfg.data)
     validate_kernel_config(cfg.kernel_config)
     validate_dispatcher_config(cfg.dispatcher)
+
+
+def _check_schedule(o: OptimConfig, steps: int) -> None:
+    """optim.schedule and its wsd keys (decay_fraction, decay_shape are read by wsd only)."""
+    _check(o.schedule in SCHEDULES, f"optim.schedule={o.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    _check(o.decay_shape in DECAY_SHAPES,
+           f"optim.decay_shape={o.decay_shape!r} is unknown; choose one of {', '.join(DECAY_SHAPES)}")
+    _check(0 < o.decay_fraction <= 1, f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (the share of "
+           "train.steps that wsd decays over)")
+    decay_start = (1 - o.decay_fraction) * steps
+    _check(o.schedule != "wsd" or steps == 0 or o.warmup_steps <= decay_start,
+           f"optim.warmup_steps={o.warmup_steps} runs into the wsd decay, which starts at step {decay_start:g} "
+           f"(the last optim.decay_fraction={o.decay_fraction} of train.steps={steps}): lower optim.warmup_steps "
+           "or optim.decay_fraction")
 
 
 # What a resume may change freely: where and how the run executes, not what it trains. Any other difference from
@@ -178,6 +215,17 @@ def flat_config(tree: dict[str, Any], global_batch_size: int | None = None) -> d
     walk(tree, "")
     if global_batch_size is not None:
         flat[GLOBAL_BATCH_KEY] = global_batch_size
+    return flat
+
+
+def schema_defaults(model_type: str | None) -> dict[str, Any]:
+    """Every key's default, flat: the schema's, and model.arch's from the family's hyper-parameters. A key added
+    after a checkpoint was written defaults to what that run did (a new knob starts off), so a resume reads the
+    checkpoint's missing keys as these."""
+    flat = {k: v for k, v in flat_config(dataclasses.asdict(TrainConfig())).items() if v != {}}  # not model.arch
+    if model_type is not None:
+        args_cls = models.get_spec(model_type).args_cls
+        flat.update({f"model.arch.{f.name}": f.default for f in dataclasses.fields(args_cls)})
     return flat
 
 

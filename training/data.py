@@ -12,6 +12,10 @@ mixture of sources (``data.sources``): then slot j of global batch n comes from 
 from its own seeded per-epoch order with its own epoch and position. The draw depends on (seed, n) only, so a
 mixture's batches, too, do not depend on the parallel layout.
 
+Validation (``data.val_fraction``): the last fraction of each source's tokens, from the first document start at or
+after the cut, is held out; its windows, in order (source after source), make the fixed validation batches
+(``ValidationSet``), cut like the training batches into dp ranks' rows, so their loss does not depend on the layout.
+
 Packed documents (``data.document_mask``): position ids restart at each document start (after <|endoftext|>), which
 tells the model to keep attention and DeltaNet within documents (``models.layers.document_ids``). Under context
 parallelism the cp ranks of a dp slice read the same rows, each keeping its contiguous 1/cp (``context_shard``).
@@ -79,6 +83,7 @@ class DataConfig:
     # document of its packed window; false: each window is one causal sequence.
     document_mask: bool = True
     eos_id: int | None = None  # tokens: the id ending each document (None: none known); other data: <|endoftext|>
+    val_fraction: float = 0.0  # the last fraction of each source's tokens held out (whole documents) for validation
 
 
 def _source_path(cfg: DataConfig) -> Path:
@@ -105,6 +110,9 @@ def validate_data_config(cfg: DataConfig) -> None:
                          "data end documents with the tokenizer's <|endoftext|>")
     if not cfg.cache_dir:
         raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
+    if not 0 <= cfg.val_fraction < 1:
+        raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1): the share of each source held out "
+                         "for validation, e.g. data.val_fraction=0.01")
     if cfg.column is not None and cfg.name != "hf":
         raise ValueError(f"data.column={cfg.column!r} names a column of datasets files (data.name=hf); unset it for "
                          f"data.name={cfg.name}")
@@ -243,13 +251,111 @@ def _cache_lock(cache: Path) -> Iterator[bool]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class Span:
+    """Tokens [start, stop) of a 1-D id or mask sequence (an array or a TokenStream), indexable like it."""
+
+    def __init__(self, seq: np.ndarray | TokenStream | Span, start: int, stop: int) -> None:
+        self._seq, self._start, self._len = seq, start, stop - start
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: np.ndarray) -> np.ndarray:
+        return self._seq[np.asarray(index) + self._start]
+
+
 @dataclass
 class Source:
     """One stream of windows for PackedLoader."""
     name: str
-    ids: np.ndarray | TokenStream  # 1-D ids
-    mask: np.ndarray | None = None  # 1-D loss mask of the targets; None: every target is trained
+    ids: np.ndarray | TokenStream | Span  # 1-D ids
+    mask: np.ndarray | TokenStream | Span | None = None  # 1-D loss mask of the targets; None: every target trained
     weight: float = 1.0
+
+
+_SEARCH_BLOCK = 1 << 20  # ids read at a time looking for a document start
+
+
+def hold_out(src: Source, fraction: float, eos_id: int) -> tuple[Source, Source]:
+    """(training, validation) parts of ``src``: validation from the first document start (the token after an
+    ``eos_id``) at or after ``(1 - fraction)`` of its tokens, so it holds whole documents only."""
+    n = len(src.ids)
+    cut = int(n * (1 - fraction))
+    while cut < n:
+        block = src.ids[np.arange(max(cut - 1, 0), min(cut - 1 + _SEARCH_BLOCK, n))]
+        ends = np.flatnonzero(block == eos_id)
+        if ends.size:
+            cut = max(cut - 1, 0) + int(ends[0]) + 1
+            break
+        cut += _SEARCH_BLOCK
+    if cut >= n:
+        raise ValueError(f"data.val_fraction={fraction}: no document starts in the last {fraction:.1%} of "
+                         f"{src.name!r} ({n} tokens); raise data.val_fraction or check data.eos_id")
+
+    def part(start: int, stop: int) -> Source:
+        mask = None if src.mask is None else Span(src.mask, start, stop)
+        return Source(src.name, Span(src.ids, start, stop), mask, src.weight)
+
+    return part(0, cut), part(cut, n)
+
+
+def position_ids(input_ids_BT: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    """Distance of each token from its document's start: the window start, or the token after an eos (None: the
+    window is one document)."""
+    t_BT = torch.arange(input_ids_BT.shape[1]).expand_as(input_ids_BT)
+    if eos_id is None:
+        return t_BT.contiguous()
+    start_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
+    start_BT[:, 0] = True
+    start_BT[:, 1:] = input_ids_BT[:, :-1] == eos_id
+    return t_BT - torch.where(start_BT, t_BT, 0).cummax(dim=1).values
+
+
+def packed_batch(sources: list[Source], source_B: np.ndarray, windows_B: np.ndarray, seq_len: int,
+                 eos_id: int | None) -> dict[str, torch.Tensor]:
+    """input_ids, labels (IGNORE_INDEX where the mask says untrained) and position_ids of window ``windows_B[b]``
+    of source ``source_B[b]`` for each row b."""
+    index_BT1 = windows_B[:, None] * (seq_len + 1) + np.arange(seq_len + 1)
+    tokens_BT1 = np.empty(index_BT1.shape, dtype=np.int64)
+    trained_BT = np.ones((len(windows_B), seq_len), dtype=bool)
+    for s in np.unique(source_B):
+        at_B, src = source_B == s, sources[s]
+        tokens_BT1[at_B] = src.ids[index_BT1[at_B]]
+        if src.mask is not None:
+            trained_BT[at_B] = src.mask[index_BT1[at_B][:, 1:]].astype(bool)
+    tokens_BT1 = torch.from_numpy(tokens_BT1)
+    labels_BT = tokens_BT1[:, 1:].clone()
+    labels_BT[~torch.from_numpy(trained_BT)] = IGNORE_INDEX
+    input_ids_BT = tokens_BT1[:, :-1].contiguous()
+    return {"input_ids": input_ids_BT, "labels": labels_BT, "position_ids": position_ids(input_ids_BT, eos_id)}
+
+
+class ValidationSet:
+    """The held-out windows of every source, in order, cut into global batches like the training ones; a dp rank's
+    rows of the first n batches are the same whatever the layout with the same global batch."""
+
+    def __init__(self, sources: list[Source], *, seq_len: int, eos_id: int | None, local_batch_size: int,
+                 dp_rank: int, dp_size: int) -> None:
+        self._sources, self._seq_len, self._eos_id = sources, seq_len, eos_id
+        counts = [len(src.ids) // (seq_len + 1) for src in sources]
+        self._source_W = np.repeat(np.arange(len(sources)), counts)
+        self._window_W = np.concatenate([np.arange(c) for c in counts])
+        self._local, self._global, self._offset = local_batch_size, local_batch_size * dp_size, \
+            dp_rank * local_batch_size
+
+    @property
+    def num_batches(self) -> int:
+        return len(self._window_W) // self._global
+
+    def batches(self, n: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's rows of the first ``n`` global batches."""
+        if n > self.num_batches:
+            raise ValueError(f"train.eval_batches={n} global batches of validation need {n * self._global} windows "
+                             f"of data.seq_len={self._seq_len}, and the held-out data has {len(self._window_W)}; "
+                             "raise data.val_fraction or lower train.eval_batches")
+        rows = [k * self._global + self._offset + np.arange(self._local) for k in range(n)]
+        return [packed_batch(self._sources, self._source_W[r], self._window_W[r], self._seq_len, self._eos_id)
+                for r in rows]
 
 
 class PackedLoader:
@@ -287,6 +393,7 @@ class PackedLoader:
                     "data.seq_len or the batch size"
                 )
         self.num_windows = sum(order.num_windows for order in self._orders)
+        self.validation: ValidationSet | None = None  # the held-out data (build_data_loader, data.val_fraction)
         weights = np.array([src.weight for src in sources], dtype=np.float64)
         self._p = weights / weights.sum()
         self._drawn = 0  # windows of all global batches so far (a mixture's position)
@@ -325,31 +432,7 @@ class PackedLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         source_G, window_G = self._global_slots()
         rows = slice(self._rank_offset, self._rank_offset + self._local_batch)
-        source_B, windows_B = source_G[rows], window_G[rows]
-
-        index_BT1 = windows_B[:, None] * (self.seq_len + 1) + np.arange(self.seq_len + 1)
-        tokens_BT1 = np.empty(index_BT1.shape, dtype=np.int64)
-        trained_BT = np.ones((self._local_batch, self.seq_len), dtype=bool)
-        for s in np.unique(source_B):
-            at_B, src = source_B == s, self._sources[s]
-            tokens_BT1[at_B] = src.ids[index_BT1[at_B]]
-            if src.mask is not None:
-                trained_BT[at_B] = src.mask[index_BT1[at_B][:, 1:]].astype(bool)
-        tokens_BT1 = torch.from_numpy(tokens_BT1)
-        labels_BT = tokens_BT1[:, 1:].clone()
-        labels_BT[~torch.from_numpy(trained_BT)] = IGNORE_INDEX
-        input_ids_BT = tokens_BT1[:, :-1].contiguous()
-        return {"input_ids": input_ids_BT, "labels": labels_BT, "position_ids": self._position_ids(input_ids_BT)}
-
-    def _position_ids(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Distance of each token from its document's start: the window start, or the token after an eos."""
-        t_BT = torch.arange(self.seq_len).expand_as(input_ids_BT)
-        if self._eos_id is None:
-            return t_BT.contiguous()
-        start_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
-        start_BT[:, 0] = True
-        start_BT[:, 1:] = input_ids_BT[:, :-1] == self._eos_id
-        return t_BT - torch.where(start_BT, t_BT, 0).cummax(dim=1).values
+        return packed_batch(self._sources, source_G[rows], window_G[rows], self.seq_len, self._eos_id)
 
     def mixture_metrics(self) -> dict[str, float]:
         """Realised share of each source's windows over all global batches so far ({} without a mixture)."""
@@ -405,9 +488,9 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None) -> tuple[list[Source]
                              "data.mask_non_assistant=false")
         if data.tokenizer is not None:
             if tokenizer is not None and data.tokenizer != tokenizer:
-                raise ValueError(f"{key}={path} was tokenized with {data.tokenizer} (its manifest.json) and the model's "
-                                 f"tokenizer is {tokenizer}: set model.tokenizer={data.tokenizer} or re-tokenize with "
-                                 f"scripts/pretokenize.py --tokenizer {tokenizer}")
+                raise ValueError(f"{key}={path} was tokenized with {data.tokenizer} (its manifest.json) and the "
+                                 f"model's tokenizer is {tokenizer}: set model.tokenizer={data.tokenizer} or "
+                                 f"re-tokenize with scripts/pretokenize.py --tokenizer {tokenizer}")
             tokenized_by[key] = data.tokenizer
         sources.append(Source(name, data.ids, data.mask if cfg.mask_non_assistant else None, src.weight))
         vocab_size = max(vocab_size, data.vocab_size)
@@ -423,7 +506,8 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None) -> tuple[list[Source]
 def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int,
                       tokenizer: str | None = "qwen3") -> PackedLoader:
     """Validate ``cfg``, load (tokenizing with ``tokenizer``, the model's, and caching on first use) the corpus, and
-    return dp rank's loader. ``tokenizer`` (a training.tokenizer vocabulary) is unused by pre-tokenized data."""
+    return dp rank's loader; with ``data.val_fraction``, its ``validation`` holds the held-out part (else None).
+    ``tokenizer`` (a training.tokenizer vocabulary) is unused by pre-tokenized data."""
     validate_data_config(cfg)
     if cfg.name != "tokens" and tokenizer not in TOKENIZERS:
         raise ValueError(f"data.name={cfg.name} tokenizes its text with the model's tokenizer, and model.tokenizer "
@@ -439,9 +523,19 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
         sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None)]
         tok = QwenTokenizer(tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
-    return PackedLoader(sources, seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
-                        local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                        eos_id=eos_id if cfg.document_mask else None)
+    validation = None
+    if cfg.val_fraction:
+        if eos_id is None:
+            raise ValueError("data.val_fraction holds out whole documents, and data=tokens knows none without "
+                             "data.eos_id: set data.eos_id (the id that ends a document)")
+        sources, held_out = zip(*(hold_out(src, cfg.val_fraction, eos_id) for src in sources))
+        validation = ValidationSet(list(held_out), seq_len=cfg.seq_len, eos_id=eos_id if cfg.document_mask else None,
+                                   local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    loader = PackedLoader(list(sources), seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
+                          local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                          eos_id=eos_id if cfg.document_mask else None)
+    loader.validation = validation
+    return loader
 
 
 def context_shard(batch: dict[str, torch.Tensor], cp_rank: int, cp: int) -> dict[str, torch.Tensor]:

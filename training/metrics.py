@@ -1,5 +1,6 @@
 """Per-step metrics: one strict JSON object per line in metrics.jsonl (a non-finite value is written as null and
-its key listed under "nonfinite"), tensorboard scalars, optional wandb, and a concise console line."""
+its key listed under "nonfinite"), tensorboard scalars, optional wandb, and a concise console line; each MoE layer's
+per-expert token shares in routing.jsonl every ``logging.routing_every`` steps."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import secrets
 import string
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -20,29 +21,33 @@ from training.checkpoint import atomic_write_text
 from training.config import LoggingConfig
 
 logger = logging.getLogger("train")
+ROUTING_FILE = "routing.jsonl"  # {"step": s, "expert_share": [[E shares] per MoE layer]} per line
 
 
 class MetricLogger:
     """Writes only on the process that owns the run directory (rank 0); a no-op elsewhere.
 
     A resume (``keep_until``: the checkpoint's step) continues every sink from step ``keep_until + 1``, dropping
-    what an interrupted attempt logged after that step: metrics.jsonl keeps its lines up to the step, tensorboard
-    purges later events on read (``purge_step``), and wandb continues the same run (its id is kept in
-    ``<run_dir>/wandb_run_id``). wandb's steps only increase, so steps the interrupted attempt already gave wandb
+    what an interrupted attempt logged after that step: metrics.jsonl (and routing.jsonl) keep their lines up to the
+    step, tensorboard purges later events on read (``purge_step``), and wandb continues the same run (its id is kept
+    in ``<run_dir>/wandb_run_id``). wandb's steps only increase, so steps the interrupted attempt already gave wandb
     keep their old values there (see ``_init_wandb``)."""
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool, run_config: dict[str, Any],
                  keep_until: int | None = None) -> None:
-        """``keep_until``: resuming after that step, keep earlier lines of metrics.jsonl (a fresh run truncates)."""
+        """``keep_until``: resuming after that step, keep earlier lines of metrics.jsonl and routing.jsonl (a fresh
+        run empties them)."""
         self.enabled = enabled
-        self._jsonl = self._tb = self._wandb = None
+        self._jsonl = self._routing = self._tb = self._wandb = None
+        self._routing_path: Path | None = None  # with logging.routing_every; the file is opened by the first record
         self._wandb_skip_until: int | None = None  # wandb already holds the steps up to here
         if not enabled:
             return
-        path = run_dir / "metrics.jsonl"
-        logged = _read_lines(path) if keep_until is not None and path.exists() else []
-        atomic_write_text(path, "".join(line + "\n" for step, line in logged if step <= keep_until))
-        self._jsonl = open(path, "a", buffering=1)
+        self._jsonl, logged = _reopen_jsonl(run_dir / "metrics.jsonl", keep_until)
+        if cfg.routing_every:
+            self._routing_path = run_dir / ROUTING_FILE
+            if self._routing_path.exists():  # an earlier attempt's: keep its records up to keep_until
+                _reopen_jsonl(self._routing_path, keep_until)[0].close()
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -66,9 +71,19 @@ class MetricLogger:
         if self._wandb is not None and (self._wandb_skip_until is None or step > self._wandb_skip_until):
             self._wandb.log(scalars, step=step)
 
+    def log_routing(self, step: int, routing_LX: torch.Tensor) -> None:
+        """One line of routing.jsonl from the global routing statistics (``reduce_routing``)."""
+        if self._routing_path is None:
+            return
+        if self._routing is None:  # opened here, so a run that records no step leaves no empty file
+            self._routing = open(self._routing_path, "a", buffering=1)
+        self._routing.write(json.dumps({"step": step, "expert_share": expert_shares(routing_LX)}) + "\n")
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._routing is not None:
+            self._routing.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
@@ -124,8 +139,16 @@ def _init_wandb(run_dir: Path, cfg: LoggingConfig, run_config: dict[str, Any], k
     return run, skip_until
 
 
+def _reopen_jsonl(path: Path, keep_until: int | None) -> tuple[TextIO, list[tuple[int, str]]]:
+    """``path`` opened for appending with its lines up to step ``keep_until`` kept (None: a fresh run, emptied),
+    and the (step, line) pairs it held."""
+    logged = _read_lines(path) if keep_until is not None and path.exists() else []
+    atomic_write_text(path, "".join(line + "\n" for step, line in logged if step <= keep_until))
+    return open(path, "a", buffering=1), logged
+
+
 def _read_lines(path: Path) -> list[tuple[int, str]]:
-    """(step, line) for the lines of metrics.jsonl; a line cut short by a killed run is dropped."""
+    """(step, line) for the lines of a JSONL of steps; a line cut short by a killed run is dropped."""
     lines = []
     for line in path.read_text().splitlines():
         try:
@@ -146,9 +169,10 @@ def strict_json(metrics: dict[str, Any]) -> dict[str, Any]:
 def progress_line(m: dict[str, Any], total_steps: int, eta_s: float) -> str:
     mfu = f" | mfu {m['mfu']:.1%}" if m.get("mfu") is not None else ""
     skipped = " | SKIPPED: non-finite loss or grad norm, no update" if m.get("skipped") else ""
+    val = f" | val {m['val_loss']:.4f}" if "val_loss" in m else ""
     return (f"step {m['step']:>5}/{total_steps}{skipped} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
             f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_s_per_device']:,.0f} tok/s/dev"
-            f"{mfu} | moe imb {m['moe/max_imbalance']:.2f} | mem {m['peak_mem_gib']:.2f} GiB | eta {_hms(eta_s)}")
+            f"{mfu} | moe imb {m['moe/max_imbalance']:.2f}{val} | mem {m['peak_mem_gib']:.2f} GiB | eta {_hms(eta_s)}")
 
 
 def _hms(seconds: float) -> str:
@@ -157,29 +181,46 @@ def _hms(seconds: float) -> str:
     return f"{h}h{minutes:02d}m{s:02d}s" if h else f"{minutes}m{s:02d}s"
 
 
+ROUTING_EXTRA = 3  # the columns of routing_summary after the 2E per-expert ones: entropy sum, z sum, token count
+
+
 def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
-    """[L, 2E + 2] per MoE layer: routed slots per expert, router probability sums per expert, entropy sum,
-    token count (no grad, stays on device)."""
+    """[L, 2E + 3] per MoE layer: routed slots per expert, router probability sums per expert, entropy sum, sum of
+    squared router logsumexps (z), token count (no grad, stays on device)."""
     return torch.stack([torch.cat([s.counts_E, s.prob_sum_E.detach(), s.entropy_sum.reshape(1),
-                                   s.counts_E.new_tensor([s.num_tokens])]) for s in stats]).detach()
+                                   s.z_sum.detach().reshape(1), s.counts_E.new_tensor([s.num_tokens])])
+                        for s in stats]).detach()
 
 
-def moe_metrics(routing_LX: torch.Tensor, group: dist.ProcessGroup | None) -> dict[str, float]:
-    """Per layer over the global batch: load imbalance (max / mean slots per expert; 1 is perfect balance),
-    mean router entropy (nats) and the layer's Switch aux loss ``E * sum_e f_e * P_e``; plus the worst
-    imbalance over layers."""
+def reduce_routing(routing_LX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The global batch's ``routing_summary`` on the host: summed over the data-parallel group, then one small
+    device->host copy, which ``moe_metrics`` and ``expert_shares`` share."""
     if group is not None:
         routing_LX = routing_LX.clone()
         dist.all_reduce(routing_LX, group=group)
-    num_experts = (routing_LX.shape[1] - 2) // 2
+    return routing_LX.cpu()
+
+
+def expert_shares(routing_LX: torch.Tensor) -> list[list[float]]:
+    """Per layer, each expert's share of the routed slots (sums to 1), from ``reduce_routing``'s output."""
+    counts_LE = routing_LX[:, :(routing_LX.shape[1] - ROUTING_EXTRA) // 2]
+    return (counts_LE / counts_LE.sum(dim=1, keepdim=True).clamp_min(1)).tolist()
+
+
+def moe_metrics(routing_LX: torch.Tensor) -> dict[str, float]:
+    """Per layer over the global batch (``reduce_routing``'s output): load imbalance (max / mean slots per expert;
+    1 is perfect balance), mean router entropy (nats), the layer's Switch aux loss ``E * sum_e f_e * P_e`` and
+    router z-loss (mean squared logsumexp of the router logits); plus the worst imbalance over layers."""
+    num_experts = (routing_LX.shape[1] - ROUTING_EXTRA) // 2
     counts_LE, prob_sum_LE = routing_LX[:, :num_experts], routing_LX[:, num_experts:2 * num_experts]
-    entropy_L, tokens_L = routing_LX[:, -2], routing_LX[:, -1].clamp_min(1)
+    entropy_L, z_L, tokens_L = routing_LX[:, -3], routing_LX[:, -2], routing_LX[:, -1].clamp_min(1)
     imbalance_L = (counts_LE.max(dim=1).values / counts_LE.mean(dim=1).clamp_min(1e-9)).tolist()
     aux_L = (num_experts * (counts_LE * prob_sum_LE).sum(dim=1) / tokens_L**2).tolist()
-    entropy_L = (entropy_L / tokens_L).tolist()
+    entropy_L, z_L = (entropy_L / tokens_L).tolist(), (z_L / tokens_L).tolist()
     out: dict[str, float] = {"moe/max_imbalance": max(imbalance_L)}
-    for layer, (imbalance, entropy, aux) in enumerate(zip(imbalance_L, entropy_L, aux_L)):
+    for layer, (imbalance, entropy, aux, z) in enumerate(zip(imbalance_L, entropy_L, aux_L, z_L)):
         out[f"moe/layer{layer}/imbalance"] = imbalance
         out[f"moe/layer{layer}/router_entropy"] = entropy
         out[f"moe/layer{layer}/aux_loss"] = aux
+        out[f"moe/layer{layer}/z_loss"] = z
     return out

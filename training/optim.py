@@ -1,4 +1,4 @@
-"""AdamW and the warmup + cosine learning-rate schedule."""
+"""AdamW and the learning-rate schedules: warmup, then cosine, warmup-stable-decay or constant."""
 
 from __future__ import annotations
 
@@ -29,21 +29,37 @@ def use_fused(cfg: OptimConfig, device_type: str) -> bool:
     return cfg.fused if cfg.fused is not None else device_type == "cuda"
 
 
-def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr after ``step`` updates: linear warmup, then cosine to min_lr_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    decay_steps = max(total_steps - warmup_steps, 1)
-    progress = min((step - warmup_steps) / decay_steps, 1.0)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+# Decay shapes: the multiplier's fraction of (1 - min_lr_ratio) left at decay progress p in [0, 1].
+DECAY = {
+    "linear": lambda p: 1 - p,
+    "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+    "sqrt": lambda p: 1 - math.sqrt(p),  # "1-sqrt" cooldown of Hägele et al. 2024 (arXiv:2405.18392)
+}
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of the peak lr after ``step`` updates, a pure function of the step (so a resume follows it
+    exactly): linear warmup over ``warmup_steps``, then ``cfg.schedule``: cosine decays over the remaining steps;
+    wsd holds the peak, then decays with ``decay_shape`` over the last ``decay_fraction`` of ``total_steps``
+    (MiniCPM's warmup-stable-decay); constant holds the peak. Both decays reach min_lr_ratio at ``total_steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        shape, start, length = "cosine", cfg.warmup_steps, max(total_steps - cfg.warmup_steps, 1)
+    else:  # wsd
+        shape, length = cfg.decay_shape, cfg.decay_fraction * total_steps
+        start = total_steps - length
+    progress = min(max((step - start) / length, 0.0), 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * DECAY[shape](progress)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, position: int = 0
                     ) -> LambdaLR:
     """The schedule at ``position`` (updates taken so far; a resume passes the checkpoint's), always from the
     current config: a resume with a deliberately changed optim.lr or train.steps follows the new schedule from its
-    first step, lr = optim.lr x multiplier(position) with the new warmup, total and min_lr_ratio."""
+    first step, lr = optim.lr x lr_multiplier(position) with the new schedule keys and total."""
     for group in optimizer.param_groups:
         group["initial_lr"] = cfg.lr
-    return LambdaLR(optimizer, lambda step: lr_lambda(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
-                    last_epoch=position - 1)
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps), last_epoch=position - 1)
