@@ -1,5 +1,5 @@
 """The Slurm scripts (scripts/slurm/): the commands a dry run prints for one node and for a faked 2-node
-allocation, and real jobs on a one-node local cluster (scripts/slurm/local_cluster.sh): a training job
+allocation, and real one-node jobs on the local cluster (scripts/slurm/local_cluster.sh): a training job
 submitted through train_1node.sbatch as a user would; a job requeued by `scontrol requeue` (as preemption
 does) that resumes from its checkpoint onto the uninterrupted run's curve; and a 2-rank job that meets its
 time-limit warning, checkpoints, requeues itself and resumes.
@@ -144,7 +144,7 @@ def test_dry_run_explicit_variables_override_the_allocation(fake_slurm_conf, tmp
         assert overrides == ["train.output_dir=/scratch/runs/4242", "train.resume=auto"]
 
 
-# ---------------------------------------------------------------- real jobs on the local one-node cluster
+# ---------------------------------------------------------------- real one-node jobs on the local cluster
 
 
 def slurm(env: dict[str, str], *args: str) -> str:

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, for tests and CI (root; no systemd, no cgroups):
+# A Slurm cluster on this machine, for tests and CI (root; no systemd, no cgroups): two nodes, each its own slurmd
+# on this host. Partition `local` (the default) is the first node, <hostname>; partition `two` is both nodes
+# (<hostname>, <hostname>-2), for 2-node jobs (sbatch --partition=two --nodes=2). Both nodes declare all CPUs
+# and memory of the machine, so they oversubscribe it; the second node's name does not resolve, but launch.sh's
+# MASTER_ADDR is the first host of an allocation, always <hostname> here (it comes first in slurm.conf).
 #   scripts/slurm/local_cluster.sh start    # install Slurm if missing (below), write slurm.conf, start munged +
-#                                           # slurmctld + slurmd, wait for idle
-#   scripts/slurm/local_cluster.sh stop     # stop the three daemons (state and logs stay for post-mortems)
+#                                           # slurmctld + two slurmd, wait for idle
+#   scripts/slurm/local_cluster.sh stop     # stop the daemons (state and logs stay for post-mortems)
 #   scripts/slurm/local_cluster.sh status   # sinfo
 # Everything lives in $SLURM_LOCAL_DIR (default /tmp/qmt-slurm): slurm.conf, its own munge key and socket,
 # state, logs. Nothing under /etc is touched, so a system Slurm or munge is left alone; clients find this
@@ -13,9 +17,10 @@
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/tmp/qmt-slurm}
-CTLD_PORT=${SLURM_LOCAL_PORT:-6817}  # slurmd listens on the next port
+CTLD_PORT=${SLURM_LOCAL_PORT:-6817}  # the two slurmd listen on the next two ports
 CONF=$DIR/slurm.conf
 NODE=$(hostname -s)
+NODE2=$NODE-2
 export SLURM_CONF=$CONF
 
 die() { echo "local_cluster.sh: $*" >&2; exit 1; }
@@ -43,22 +48,22 @@ write_conf() {
   # A little under the total: slurmd drains a node whose real memory is below RealMemory.
   mem_mb=$(free -m | awk '/^Mem:/ {print int($2 * 0.95)}')
   cat >"$CONF" <<CONF
-# Written by scripts/slurm/local_cluster.sh: one node, this machine, no accounting, no cgroups.
+# Written by scripts/slurm/local_cluster.sh: two nodes on this machine, no accounting, no cgroups.
 ClusterName=local
 SlurmctldHost=$NODE(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
-SlurmdPort=$((CTLD_PORT + 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$DIR/munge.socket
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+# Per node (%n): two slurmd on one host must not share a spool directory (job step sockets), pid file or log.
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$DIR/slurmctld.log
-SlurmdLogFile=$DIR/slurmd.log
+SlurmdLogFile=$DIR/slurmd-%n.log
 # Containers have no usable cgroups: track job processes through /proc, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -74,8 +79,11 @@ KillWait=60
 # Finished jobs stay visible to scontrol for 5 s (there is no accounting); and sbatch --wait polls
 # every 2 s instead of backing off to 32 s (it sleeps at most MinJobAge/2).
 MinJobAge=5
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN
+# One address, a port each: slurmd -N <name> serves that line (Debian's Slurm 22.05 runs several per host so).
+NodeName=$NODE NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 1)) CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN
+NodeName=$NODE2 NodeAddr=127.0.0.1 Port=$((CTLD_PORT + 2)) CPUs=$(nproc) RealMemory=$mem_mb State=UNKNOWN
 PartitionName=local Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+PartitionName=two Nodes=$NODE,$NODE2 MaxTime=INFINITE State=UP
 CONF
 }
 
@@ -99,18 +107,18 @@ stop_daemon() {  # stop_daemon NAME PIDFILE: SIGTERM, then wait up to 10 s for i
   rm -f "$2"
 }
 
-wait_idle() {  # until sinfo shows the node idle (up to 60 s)
+wait_idle() {  # wait_idle NODE: until sinfo shows the node idle (up to 60 s)
   local state=""
   for _ in $(seq 120); do
-    state=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
+    state=$(sinfo -h -N -n "$1" -o %T 2>/dev/null | head -n 1 || true)
     [[ $state == idle ]] && return 0
     # A node left down or drained by an earlier run: tell slurmctld it is back.
     if [[ $state == down* || $state == drain* ]]; then
-      scontrol update nodename="$NODE" state=resume 2>/dev/null || true
+      scontrol update nodename="$1" state=resume 2>/dev/null || true
     fi
     sleep 0.5
   done
-  die "node $NODE not idle after 60 s (state: '${state:-none}'); see $DIR/slurmctld.log and $DIR/slurmd.log"
+  die "node $1 not idle after 60 s (state: '${state:-none}'); see $DIR/slurmctld.log and $DIR/slurmd-$1.log"
 }
 
 start() {
@@ -123,17 +131,21 @@ start() {
   # State in $DIR/state survives a restart, so job ids keep counting up: a new job never lands in the run
   # directory (runs/<job id>) of an old one.
   slurmctld -f "$CONF"
-  slurmd -f "$CONF"
+  slurmd -f "$CONF" -N "$NODE"
+  slurmd -f "$CONF" -N "$NODE2"
   # Jobs left by an earlier cluster (killed mid-run, requeued on restart) would hold the node: cancel them.
   local stale
   mapfile -t stale < <(squeue -h -o %A 2>/dev/null || true)
   ((${#stale[@]} == 0)) || scancel "${stale[@]}"
-  wait_idle
-  echo "local Slurm cluster up (node $NODE); clients need: export SLURM_CONF=$CONF"
+  wait_idle "$NODE"
+  wait_idle "$NODE2"
+  echo "local Slurm cluster up (nodes $NODE, $NODE2); clients need: export SLURM_CONF=$CONF"
 }
 
 stop() {
-  stop_daemon slurmd "$DIR/slurmd.pid"
+  local pidfile
+  # Every slurmd: one pid file per node (slurmd.pid: a cluster started by the one-node version of this script).
+  for pidfile in "$DIR"/slurmd*.pid; do stop_daemon slurmd "$pidfile"; done
   stop_daemon slurmctld "$DIR/slurmctld.pid"
   stop_daemon munged "$DIR/munged.pid"
 }
