@@ -151,3 +151,18 @@ def train_steps(model: torch.nn.Module, dims, tokens_SGT1: torch.Tensor, lr: flo
             dist.all_reduce(loss, group=dims.data_group)
         history.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item()})
     return history
+
+
+def assert_same_curve(got: list[dict], want: list[dict], steps: list[int] | None = None) -> None:
+    """Every step of ``got`` has the loss and grad norm ``want`` has at that step (rel 1e-4: layouts differ only in
+    summation order); ``steps``: exactly these steps were logged."""
+    import pytest
+
+    if steps is not None:
+        assert [m["step"] for m in got] == steps
+    want_by_step = {m["step"]: m for m in want}
+    assert got and all(g["step"] in want_by_step for g in got)
+    for g in got:
+        w = want_by_step[g["step"]]
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"

@@ -14,7 +14,7 @@ import train
 from models import build_args, get_spec
 from models.hf_io import export_hf
 from tests.conftest import compose_config, write_tokens
-from tests.dist_utils import run_distributed
+from tests.dist_utils import assert_same_curve, run_distributed
 
 WORLD, STEPS, SEQ, GLOBAL_BATCH = 16, 3, 32, 16
 TINY = {  # per family: the debug preset cut to the synthetic 256-token vocabulary; Qwen3.5 with an expert per rank
@@ -66,20 +66,12 @@ def runs(tmp_path_factory):
     return reference, results
 
 
-def assert_same(got: list[dict], want: list[dict]) -> None:
-    want_by_step = {m["step"]: m for m in want}
-    for g in got:
-        w = want_by_step[g["step"]]
-        assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
-        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
-
-
 @pytest.mark.parametrize("run", list(LAYOUTS))
 def test_16_ranks_train_like_one_process(runs, run):
     reference, results = runs
     family = LAYOUTS[run][0]
     assert [m["step"] for m in results[run]] == [1, 2, 3]
-    assert_same(results[run], reference[family])
+    assert_same_curve(results[run], reference[family])
     assert reference[family][0]["grad_norm"] > 0.5  # max_norm 0.5 really clipped
 
 
@@ -87,4 +79,4 @@ def test_16_ranks_train_like_one_process(runs, run):
 def test_checkpoint_saved_on_16_ranks_resumes_on_fewer(runs, world):
     reference, results = runs
     assert [m["step"] for m in results[f"resume-{world}"]] == [2, 3]
-    assert_same(results[f"resume-{world}"], reference["qwen3_5_moe"])
+    assert_same_curve(results[f"resume-{world}"], reference["qwen3_5_moe"])
