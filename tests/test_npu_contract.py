@@ -29,7 +29,7 @@ from parallelisms.dispatchers.common import Splits
 from parallelisms.dispatchers.mc2 import Mc2Dispatcher, check_bytes
 from tests.conftest import compose_config
 from tests.dist_utils import debug_model_args
-from tests.fake_torch_npu import A2, A3, DOCUMENTED, MiB, FakeTorchNpu, install
+from tests.fake_torch_npu import A2, A3, DOCUMENTED, FakeTorchNpu, install
 
 
 @pytest.fixture
