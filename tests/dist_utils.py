@@ -4,9 +4,9 @@ rank), under pytest.
 ``run_distributed(fn, world_size, *args)`` spawns the ranks, calls ``fn(rank, world_size, *args)`` in each
 and returns rank 0's return value. A failure in any rank fails the calling test with that rank's
 traceback; a hang fails it after ``timeout_s``. Start-up (importing torch in every child) costs a few
-seconds per spawn, so a test should do all its work for one world size in one call. ``fork_server=True`` forks the
-ranks from a server process that imported torch once instead (each spawned rank spends ~2.4 s of CPU importing
-it; a forked one ~0.3 s): for 16 ranks on 2 cores that is ~20 s less per call.
+seconds per spawn, so a test should do all its work for one world size in one call. By default the ranks are forked
+from a server process that imported torch once instead (each spawned rank spends ~2.4 s of CPU importing it; a
+forked one ~0.3 s): for 16 ranks on 2 cores that is ~20 s less per call.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, result_path: str, backend: str,
-            args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+            env: dict[str, str], args: tuple) -> None:
+    os.environ.clear()  # the caller's environment now (a forked rank would have the fork server's, from its start)
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # N ranks share 2 cores
     device_id = None
@@ -51,18 +52,21 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, port: int, resul
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                    timeout_s: float = 300, fork_server: bool = False) -> Any:
+                    timeout_s: float = 300, fork_server: bool = True) -> Any:
     """``fn`` must be importable (a module-level function): the ranks are spawned, or forked from a server, never
     from the caller. fork_server: the ranks are forks of one server process that imported train (and with it
     torch) and ``fn``'s module, and has run nothing: a rank inherits fresh imports, never the caller's threads or
-    state. The server starts at the first such call of the session, with that call's ``fn``."""
+    state, and gets the caller's environment variables. The server starts at the first such call of the session,
+    with that call's ``fn``. fork_server=False spawns fresh interpreters (for what only a process start reads, such
+    as glibc's MALLOC_* variables, or a CUDA run)."""
     if fork_server:
         # train first: multiprocessing silently skips a preload that fails to import, as fn's module can in the
         # server (seen for a test module under pytest), and then every rank would import torch itself.
         mp.set_forkserver_preload(["train", fn.__module__])
     with tempfile.TemporaryDirectory() as tmp:
         result_path = str(Path(tmp) / "result.pt")
-        context = mp.start_processes(_worker, args=(fn, world_size, _free_port(), result_path, backend, args),
+        context = mp.start_processes(_worker, args=(fn, world_size, _free_port(), result_path, backend,
+                                                     dict(os.environ), args),
                                      nprocs=world_size, join=False,
                                      start_method="forkserver" if fork_server else "spawn")
         deadline = time.monotonic() + timeout_s

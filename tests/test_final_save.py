@@ -206,7 +206,7 @@ def four_ranks(tmp_path_factory) -> tuple[Path, list[str], list[list[float]] | N
         # Every large allocation its own mapping, returned on free: RSS then counts live tensors, not freed memory
         # that glibc keeps (its default threshold rises to the size of the largest block freed so far).
         patch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-        calls, growth = run_distributed(_worker, 4, str(tmp_path / "ranks"))
+        calls, growth = run_distributed(_worker, 4, str(tmp_path / "ranks"), fork_server=False)  # a fresh glibc
     return tmp_path, calls, growth
 
 

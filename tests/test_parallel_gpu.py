@@ -27,7 +27,7 @@ def gpu_runs(tmp_path_factory):
     cfgs = {p: train_config(tmp_path, p, LOCAL_BATCH, device="cuda") for p in FP32}
     cfgs.update({run: train_config(tmp_path, p, LOCAL_BATCH, "parallel.activation_checkpoint=selective", run=run,
                                    device="cuda", mixed_precision="bf16") for run, p in BF16.items()})
-    return reference, run_distributed(train_worker, WORLD, cfgs, backend="nccl")
+    return reference, run_distributed(train_worker, WORLD, cfgs, backend="nccl", fork_server=False)
 
 
 @pytest.mark.parametrize("preset", FP32)

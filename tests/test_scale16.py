@@ -58,10 +58,10 @@ def runs(tmp_path_factory):
     cfgs = {run: config(tmp_path, family, parallel, run, WORLD, *(["checkpoint.interval=1"] if run == SAVED else []))
             for run, (family, parallel) in LAYOUTS.items()}
     # Forked from a server that imported torch once: 16 spawned ranks would each spend ~2.4 s of CPU importing it.
-    results = run_distributed(worker, WORLD, cfgs, timeout_s=600, fork_server=True)
+    results = run_distributed(worker, WORLD, cfgs, timeout_s=600)
     saved = f"train.resume={tmp_path / SAVED / 'checkpoints' / 'step_00000001'}"
     resume8 = config(tmp_path, "qwen3_5_moe", "ep8", "resume-8", 8, saved)
-    results |= run_distributed(worker, 8, {"resume-8": resume8}, timeout_s=600, fork_server=True)
+    results |= run_distributed(worker, 8, {"resume-8": resume8}, timeout_s=600)
     results["resume-1"] = train.run(config(tmp_path, "qwen3_5_moe", "single", "resume-1", 1, saved))
     return reference, results
 
