@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from core.constants import IGNORE_INDEX
-from training.checkpoint import atomic_write
 from training.token_shards import BIN_DTYPES, TokenStream, WindowOrder, load_token_stream, shard_paths
 from training.hf_datasets import hf_corpus, hf_files
-from training.tokenize_shards import Corpus, Doc, JsonlCorpus, chat_doc, files_sha256, tokenize_to_shards
+from training.tokenize_shards import (Corpus, Doc, JsonlCorpus, chat_doc, files_sha256, join_docs, tokenize_to_shards,
+                                      write_npy)
 from training.tokenizer import TOKENIZERS, QwenTokenizer, special_tokens
 
 _NAMES = ("chitchat", "jsonl", "hf", "tokens")
@@ -199,7 +199,7 @@ def _tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
         if cache.exists():  # another process tokenized it while this one waited
             return np.load(cache)
         if corpus is None:
-            stream = _join(_chitchat_docs(_source_path(cfg), QwenTokenizer(tokenizer)))
+            stream = join_docs(_chitchat_docs(_source_path(cfg), QwenTokenizer(tokenizer)))
         else:
             shards = cache.with_name(cache.stem + ".shards")
             start = time.monotonic()
@@ -209,24 +209,10 @@ def _tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
             logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", corpus.source,
                         sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
                         len(manifest.shards))
-
-        def write(tmp: Path) -> None:
-            with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
-                np.save(f, stream)
-
-        atomic_write(cache, write)
+        write_npy(cache, stream)
         if corpus is not None and locked:  # unlocked, another process may still be writing shards there
             shutil.rmtree(shards, ignore_errors=True)
     return stream
-
-
-def _join(docs: Iterator[Doc]) -> np.ndarray:
-    ids: list[int] = []
-    mask: list[bool] = []
-    for doc_ids, doc_mask in docs:
-        ids += doc_ids
-        mask += doc_mask
-    return np.array([ids, mask], dtype=np.uint32).reshape(2, -1)
 
 
 @contextlib.contextmanager
@@ -523,17 +509,18 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
         sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None)]
         tok = QwenTokenizer(tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
+    doc_eos_id = eos_id if cfg.document_mask else None  # what restarts position ids
     validation = None
     if cfg.val_fraction:
         if eos_id is None:
             raise ValueError("data.val_fraction holds out whole documents, and data=tokens knows none without "
                              "data.eos_id: set data.eos_id (the id that ends a document)")
         sources, held_out = zip(*(hold_out(src, cfg.val_fraction, eos_id) for src in sources))
-        validation = ValidationSet(list(held_out), seq_len=cfg.seq_len, eos_id=eos_id if cfg.document_mask else None,
+        validation = ValidationSet(list(held_out), seq_len=cfg.seq_len, eos_id=doc_eos_id,
                                    local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     loader = PackedLoader(list(sources), seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
                           local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                          eos_id=eos_id if cfg.document_mask else None)
+                          eos_id=doc_eos_id)
     loader.validation = validation
     return loader
 

@@ -11,7 +11,7 @@ import os
 import secrets
 import string
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,11 +43,12 @@ class MetricLogger:
         self._wandb_skip_until: int | None = None  # wandb already holds the steps up to here
         if not enabled:
             return
-        self._jsonl, logged = _reopen_jsonl(run_dir / "metrics.jsonl", keep_until)
+        logged = _keep_steps(run_dir / "metrics.jsonl", keep_until)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if cfg.routing_every:
             self._routing_path = run_dir / ROUTING_FILE
             if self._routing_path.exists():  # an earlier attempt's: keep its records up to keep_until
-                _reopen_jsonl(self._routing_path, keep_until)[0].close()
+                _keep_steps(self._routing_path, keep_until)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -139,12 +140,12 @@ def _init_wandb(run_dir: Path, cfg: LoggingConfig, run_config: dict[str, Any], k
     return run, skip_until
 
 
-def _reopen_jsonl(path: Path, keep_until: int | None) -> tuple[TextIO, list[tuple[int, str]]]:
-    """``path`` opened for appending with its lines up to step ``keep_until`` kept (None: a fresh run, emptied),
-    and the (step, line) pairs it held."""
+def _keep_steps(path: Path, keep_until: int | None) -> list[tuple[int, str]]:
+    """Rewrite ``path`` (a JSONL of steps) with its lines up to step ``keep_until`` (None: a fresh run, emptied);
+    the (step, line) pairs it held."""
     logged = _read_lines(path) if keep_until is not None and path.exists() else []
     atomic_write_text(path, "".join(line + "\n" for step, line in logged if step <= keep_until))
-    return open(path, "a", buffering=1), logged
+    return logged
 
 
 def _read_lines(path: Path) -> list[tuple[int, str]]:

@@ -24,7 +24,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -50,6 +50,27 @@ def text_doc(tok: QwenTokenizer, text: str) -> Doc:
 def chat_doc(tok: QwenTokenizer, messages: list[dict]) -> Doc:
     ids, mask = tok.render_chat(messages)
     return ids + [tok.eos_id], mask + [False]
+
+
+def join_docs(docs: Iterable[Doc]) -> np.ndarray:
+    """[2, n] uint32: the documents' ids and trained masks, concatenated in order."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for doc_ids, doc_mask in docs:
+        ids += doc_ids
+        mask += doc_mask
+    return np.array([ids, mask], dtype=np.uint32).reshape(2, -1)
+
+
+def write_npy(path: Path, array: np.ndarray) -> None:
+    """Write ``array`` atomically as the .npy file ``path``."""
+    from training.checkpoint import atomic_write  # here, not at the top: the workers need no torch
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
+            np.save(f, array)
+
+    atomic_write(path, write)
 
 
 def _check_message(i: int, msg: object) -> None:
@@ -249,27 +270,10 @@ def _tokenize_shard(entry: dict) -> tuple[dict, np.ndarray]:
     """One shard's manifest entry (its counts) and its [2, n] uint32 array, tokenized from its range of the corpus."""
     corpus, tok = _worker
     shard = Shard(**entry)
-    ids: list[int] = []
-    mask: list[bool] = []
-    for doc_ids, doc_mask in corpus.docs(tok, shard):
-        ids += doc_ids
-        mask += doc_mask
-        shard.documents += 1
-    array = np.array([ids, mask], dtype=np.uint32).reshape(2, -1)
-    shard.tokens, shard.trained_tokens = len(ids), int(array[1].sum())
+    docs = list(corpus.docs(tok, shard))
+    array = join_docs(docs)
+    shard.documents, shard.tokens, shard.trained_tokens = len(docs), array.shape[1], int(array[1].sum())
     return asdict(shard), array
-
-
-def _write_shard(path: Path, array: np.ndarray) -> str:
-    """Write ``array`` atomically as the .npy ``path``; its sha256."""
-    from training.checkpoint import atomic_write  # here, not at the top: the workers need no torch
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
-            np.save(f, array)
-
-    atomic_write(path, write)
-    return _file_sha256(path)
 
 
 class _Progress:
@@ -366,7 +370,8 @@ def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, 
 
     def finish(result: tuple[dict, np.ndarray]) -> None:
         shard = Shard(**result[0])
-        shard.sha256 = _write_shard(out_dir / shard.file, result[1])
+        write_npy(out_dir / shard.file, result[1])
+        shard.sha256 = _file_sha256(out_dir / shard.file)
         manifest.shards[index[shard.file]] = shard
         _write_manifest(out_dir, manifest)
         bar.update(shard, corpus.work(shard), todo_work)
