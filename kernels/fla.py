@@ -46,6 +46,43 @@ def chunk_gated_delta_rule(chunk_size: int) -> Callable:
     return functools.partial(fla_chunk, chunk_size=chunk_size)
 
 
+def chunk_gated_delta_rule_torch_dqkwg(chunk_size: int) -> Callable:
+    """FLA's chunked delta rule with its one broken backward step (#640) computed by ``kernels/fla_dqkwg.py``.
+
+    FLA dispatches ``chunk_bwd_dqkwg`` through its backend registry (``fla.backends``, as it does for its TileLang
+    replacement of this very step): registering a backend of ours there swaps that step alone, in this process,
+    and every other FLA kernel, forward and backward, still runs."""
+    _register_torch_dqkwg()
+    return chunk_gated_delta_rule(chunk_size)
+
+
+@functools.cache
+def _register_torch_dqkwg() -> None:
+    from fla.backends import BaseBackend, register
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from kernels import fla_dqkwg
+
+    class TorchDqkwgBackend(BaseBackend):
+        backend_type = "qwen_moe_torch_dqkwg"
+        priority = 0  # before FLA's own choices (TileLang, where installed): this is what the registry chose
+
+        def chunk_bwd_dqkwg_verifier(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None,
+                                     state_v_first=False, **kwargs) -> tuple[bool, str | None]:
+            if g is None or g_gamma is not None or w is None or dv is None or state_v_first:
+                return False, "only the gated delta rule's step (g, w, dv; state_v_first=False) is written in torch"
+            return True, None
+
+        def chunk_bwd_dqkwg(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
+                            state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None):
+            if cu_seqlens is not None and chunk_indices is None:
+                chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+            return fla_dqkwg.chunk_bwd_dqkwg(q, k, v, do, h, dh, w, g, dv, k.shape[-1] ** -0.5 if scale is None
+                                             else scale, cu_seqlens, chunk_size, chunk_indices)
+
+    register("common")(TorchDqkwgBackend)
+
+
 def fused_recurrent_gated_delta_rule() -> Callable:
     """Forward only: FLA's recurrent kernel has no backward (the model uses it only without autograd)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent

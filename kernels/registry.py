@@ -122,6 +122,13 @@ def _fla_chunk_unavailable(env: Env) -> str | None:
                                if env.device_type == "cuda" else None)
 
 
+def _fla_chunk_fix_unneeded(env: Env) -> str | None:
+    """The torch chunk_bwd_dqkwg runs only where FLA's own is broken (elsewhere FLA's kernel is faster)."""
+    if _needs_fla(env) or fla.chunk_backward_broken(env.triton_version, env.capability):
+        return None
+    return "FLA's own chunk_bwd_dqkwg is right on this stack"
+
+
 _TRITON_MODULES = {"rms_norm": "kernels.triton_norm", "offset_rms_norm": "kernels.triton_norm",
                    "gated_rms_norm": "kernels.triton_norm", "swiglu": "kernels.triton_swiglu",
                    "packed_swiglu": "kernels.triton_swiglu"}
@@ -150,6 +157,7 @@ def _npu_moe(op: str, note: str = "") -> Impl:
 
 # FLA's Triton kernels run on CUDA and, through its triton-ascend backends, on NPU.
 _FLA_DEVICES = ("cuda", "npu")
+FLA_TORCH_DQKWG = f"{FLA} + torch chunk_bwd_dqkwg"
 
 OPS: dict[str, OpSpec] = {
     "rms_norm": _auto("rms_norm", rms_norm),
@@ -164,7 +172,11 @@ OPS: dict[str, OpSpec] = {
         Impl("torch_npu", ("npu",), _lazy("kernels.npu", "apply_rotary"), _needs_torch_npu),)),
     "chunk_gated_delta_rule": OpSpec(
         FLA, lambda cfg: functools.partial(chunk_gated_delta_rule, chunk_size=cfg.chunk_size),
-        (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.chunk_gated_delta_rule(cfg.chunk_size), _fla_chunk_unavailable),)),
+        (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.chunk_gated_delta_rule(cfg.chunk_size), _fla_chunk_unavailable),
+         # Triton 3.4-3.7.0 on Hopper (torch 2.11 / 2.12.0's own): FLA with that one backward step in torch.
+         Impl(FLA_TORCH_DQKWG, ("cuda",), lambda cfg: fla.chunk_gated_delta_rule_torch_dqkwg(cfg.chunk_size),
+              _fla_chunk_fix_unneeded, "FLA #640: its chunk_bwd_dqkwg backward step runs in torch "
+              "(kernels/fla_dqkwg.py), every other FLA kernel as FLA's"))),
     "fused_recurrent_gated_delta_rule": OpSpec(
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),

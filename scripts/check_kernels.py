@@ -89,8 +89,16 @@ def _delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int) -> In
             "beta": torch.rand(B, T, H, generator=gen, device=dev).bfloat16()}
 
 
+def _packed_delta_inputs(gen: torch.Generator, dev: torch.device, T: int) -> Inputs:
+    """Documents of 1 to 1500 tokens packed into one row of T, as the loader packs real text (FLA's cu_seqlens)."""
+    ends = torch.randint(1, 1500, (T,), generator=gen, device=dev).cumsum(0)
+    cu_seqlens = torch.cat([ends.new_zeros(1), ends[ends < T], ends.new_full((1,), T)])
+    return {**_delta_inputs(gen, dev, 1, T), "cu_seqlens": cu_seqlens}
+
+
 def _delta_call(fn: Callable, t: Inputs) -> torch.Tensor:
-    return fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], use_qk_l2norm_in_kernel=True)[0]
+    return fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], use_qk_l2norm_in_kernel=True,
+              cu_seqlens=t.get("cu_seqlens"))[0]
 
 
 def _ce_labels(logits: torch.Tensor) -> torch.Tensor:
@@ -196,6 +204,8 @@ CASES: dict[str, list[Case]] = {
     "apply_rotary": [_rotary_case("qwen3.5 16 x 256, 64 rotary", 4, 16, 4096, 256, 64),
                      _rotary_case("qwen3 32 x 128, full", 4, 32, 4096, 128, 128)],
     "chunk_gated_delta_rule": [Case("qwen3.5 2 x 4096", lambda gen, dev: _delta_inputs(gen, dev, 2, 4096),
+                                    _delta_call, TOL_DELTA_RULE),
+                               Case("qwen3.5 packed docs 8192", lambda gen, dev: _packed_delta_inputs(gen, dev, 8192),
                                     _delta_call, TOL_DELTA_RULE)],
     # FLA's recurrent kernel has no backward; the model uses it only without autograd, on short sequences.
     "fused_recurrent_gated_delta_rule": [Case("qwen3.5 8 x 64", lambda gen, dev: _delta_inputs(gen, dev, 8, 64),
@@ -290,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="auto,flash-linear-attention", help="kernel_config.name")
     parser.add_argument("--chunk-size", type=int, default=64, help="kernel_config.chunk_size")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
+    parser.add_argument("--ops", default="", help="comma-separated ops to check (default: every selected one)")
     args = parser.parse_args(argv)
     cfg = KernelConfig(name=args.kernels, include_kernels=list(FLA_OPS), chunk_size=args.chunk_size)
     validate_kernel_config(cfg)
@@ -302,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in kernels.lines():
         print(f"kernel {line}")
     failed = []
+    only = {op for op in args.ops.split(",") if op}
+    unknown = only - set(OPS)
+    if unknown:
+        parser.error(f"--ops: unknown {sorted(unknown)}; valid: {', '.join(OPS)}")
     for op, choice in kernels.choices.items():
-        if choice.impl == "torch":
+        if choice.impl == "torch" or (only and op not in only):
             continue
         kernel, reference = kernels.get(op), OPS[op].reference(cfg)
         if op in PAIRED:

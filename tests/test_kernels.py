@@ -105,13 +105,12 @@ def test_cpu_gets_the_torch_references() -> None:
         select_kernels(KernelConfig(name="flash-linear-attention"), "cpu", Env("cpu"))
 
 
-def test_hopper_with_bad_triton_refuses_the_forced_chunked_kernel() -> None:
-    with pytest.raises(ValueError, match=r"chunk_gated_delta_rule, which cannot run on cuda \(sm_90\), triton 3\.6\.0"
-                                         r".*#640.*3\.7\.1.*fix: kernel_config=auto"):
-        select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", HOPPER_TRITON_36)
-    # Without the chunked kernel the recurrent one (forward only, not affected) runs; the auto ops get Triton.
-    cfg = KernelConfig(name="auto,flash-linear-attention", include_kernels=["fused_recurrent_gated_delta_rule"])
-    kernels = select_kernels(cfg, "cuda", HOPPER_TRITON_36)
+def test_hopper_with_bad_triton_gets_fla_with_the_torch_backward_step() -> None:
+    # FLA #640: the one miscompiled step (chunk_bwd_dqkwg) runs in torch, every other FLA kernel stays, and the
+    # log line says so; the recurrent kernel (forward only) and the auto ops are not affected.
+    kernels = select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", HOPPER_TRITON_36)
+    chunk = kernels.choices["chunk_gated_delta_rule"]
+    assert chunk.impl == "flash-linear-attention + torch chunk_bwd_dqkwg" and "#640" in chunk.reason
     assert kernels.choices["fused_recurrent_gated_delta_rule"].impl == "flash-linear-attention"
     assert {kernels.choices[op].impl for op in ("rms_norm", "offset_rms_norm", "gated_rms_norm", "swiglu",
                                                 "packed_swiglu", "apply_rotary", "softmax_cross_entropy")} \
@@ -126,12 +125,15 @@ def test_hopper_with_bad_triton_refuses_the_forced_chunked_kernel() -> None:
 def test_chunk_backward_bug_condition(triton_version, capability, broken: bool) -> None:
     assert (fla.chunk_backward_broken(triton_version, capability) is not None) == broken
     env = Env("cuda", triton_version=triton_version, capability=capability, fla_version="0.6.0")
-    if broken:
-        with pytest.raises(ValueError, match="#640"):
-            select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env)
-    else:
-        chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env).choices
-        assert chosen["chunk_gated_delta_rule"].impl == "flash-linear-attention"
+    chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env).choices
+    assert chosen["chunk_gated_delta_rule"].impl == ("flash-linear-attention + torch chunk_bwd_dqkwg" if broken
+                                                     else "flash-linear-attention")
+
+
+def test_npu_never_gets_the_torch_backward_step() -> None:  # #640 is a CUDA (Hopper) bug; NPU runs triton-ascend
+    env = Env("npu", triton_version="3.6.0", has_torch_npu=True, fla_version="0.6.0")
+    chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "npu", env).choices
+    assert chosen["chunk_gated_delta_rule"].impl == "flash-linear-attention"
 
 
 def test_fla_missing_names_the_pip_extra() -> None:
