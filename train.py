@@ -29,6 +29,7 @@ import parallelisms
 from core import device
 from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
+from parallelisms.float8 import apply_float8
 from training.checkpoint import (atomic_write_text, load_checkpoint, read_train_state, resolve_resume, rng_state,
                                  save_checkpoint, save_model_weights, set_rng_state)
 from training.config import (TrainConfig, check_resume_config, flat_config, register_schema, schema_defaults,
@@ -246,8 +247,11 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     param_counts = spec.parameter_counts(model)
+    if cfg.train.float8 != "none":  # on meta, before parallelize: AC, EP and FSDP wrap the FP8 modules as any others
+        apply_float8(model, spec, cfg.train.float8, dev_type)
     model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
-                                           torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher)
+                                           torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher,
+                                           compile_blocks=cfg.train.compile)
     model.to_empty(device=dev)
     if cfg.model.init_from is not None and resume_from is None:
         load_hf_into_model(model, cfg.model.init_from)  # each rank reads only the slices it owns

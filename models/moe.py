@@ -95,6 +95,7 @@ class ExpertWeights(NamedTuple):
     gate_up_proj: torch.Tensor  # [E, 2I, D], rows [gate; up]
     down_proj: torch.Tensor  # [E, D, I]
     act_fn: Callable[[torch.Tensor], torch.Tensor]  # [M, 2I] -> [M, I]: the packed_swiglu kernel slot
+    mm: Callable[..., torch.Tensor] = grouped_mm  # the grouped GEMM, as GroupedExperts.grouped_mm says
 
 
 def compute_experts(w: ExpertWeights, x_MD: torch.Tensor, counts_E: torch.Tensor,
@@ -102,8 +103,8 @@ def compute_experts(w: ExpertWeights, x_MD: torch.Tensor, counts_E: torch.Tensor
     """Rows of x_MD sorted by expert (``counts_E`` rows for each of w's E experts, in order) -> the expert
     outputs [M, D], same order. The weights are plain tensors (a rank's local blocks under EP). ``counts_host``:
     the same counts as Python ints where the caller has them (a grouped GEMM kernel may need them on the host)."""
-    gate_up_M2I = grouped_mm(x_MD, w.gate_up_proj.transpose(-2, -1), counts_E, counts_host)
-    return grouped_mm(w.act_fn(gate_up_M2I), w.down_proj.transpose(-2, -1), counts_E, counts_host)
+    gate_up_M2I = w.mm(x_MD, w.gate_up_proj.transpose(-2, -1), counts_E, counts_host)
+    return w.mm(w.act_fn(gate_up_M2I), w.down_proj.transpose(-2, -1), counts_E, counts_host)
 
 
 # A GroupedExperts.dispatcher: (weights as the module holds them, x_ND, experts_NK, weights_NK) -> y_ND.
@@ -155,14 +156,18 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
         self.dispatcher: DispatchFn = LocalDispatcher()
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = packed_swiglu
+        # The grouped GEMM (kernels.grouped_mm's call): the registry's kernel, unless parallelisms.float8 sets
+        # another product (FP8) for these experts.
+        self.grouped_mm: Callable[..., torch.Tensor] = grouped_mm
 
     def forward(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         return self.dispatcher(self.expert_weights(), x_ND, experts_NK, weights_NK)
 
     def expert_weights(self) -> ExpertWeights:
         """The weights as this module holds them now (under EP: DTensors of global shape [E, ...], which the
-        dispatcher turns into its local blocks) and the activation kernel the registry put in the slot."""
-        return ExpertWeights(self.gate_up_proj, self.down_proj, self.act_fn)
+        dispatcher turns into its local blocks), the activation kernel the registry put in the slot and the grouped
+        GEMM."""
+        return ExpertWeights(self.gate_up_proj, self.down_proj, self.act_fn, self.grouped_mm)
 
 
 class SparseMoeBlock(nn.Module):

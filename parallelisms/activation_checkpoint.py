@@ -25,6 +25,8 @@ _SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._grouped_mm.default,
+    torch.ops.aten._scaled_mm.default,  # train.float8: Float8Linear's GEMM
+    torch.ops.aten._scaled_grouped_mm.default,  # train.float8: the experts' FP8 grouped GEMM
     torch.ops._c10d_functional.all_to_all_single.default,
 }
 # torch_npu's ops of the same kinds (the grouped matmul; the MC2 all-to-alls fused with it), by name: torch.ops.npu

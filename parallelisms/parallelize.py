@@ -21,6 +21,7 @@ from core.device import local_device
 from models import ModelSpec
 from models.moe import GroupedExperts
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import apply_compile
 from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.dims import ParallelDims
@@ -30,12 +31,15 @@ from parallelisms.expert_parallel import apply_expert_parallel
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelConfig,
                       param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                      dispatcher: DispatcherConfig | None = None) -> nn.Module:
+                      dispatcher: DispatcherConfig | None = None, compile_blocks: bool = False) -> nn.Module:
     """Shard or replicate ``model`` (usually still on the meta device) in place and return it. ``dispatcher``:
-    the ``dispatcher`` group, which EP (parallel.ep_size > 1) installs on every experts module; None: eager."""
+    the ``dispatcher`` group, which EP (parallel.ep_size > 1) installs on every experts module; None: eager.
+    ``compile_blocks``: train.compile."""
     apply_activation_checkpointing(model.get_submodule(spec.blocks), cfg.activation_checkpoint)
     if dims.cp > 1:
         apply_context_parallel(model, dims.mesh("cp"))
+    if compile_blocks:  # AC -> compile -> FSDP (torchtitan's order); hook-free pieces: every backend's hooks stay eager
+        apply_compile(model, spec)
     if cfg.backend.name == "none":
         return model
     if cfg.backend.name == "ddp":
@@ -49,8 +53,9 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
 
 def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
                           param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                          dispatcher: DispatcherConfig | None = None) -> nn.Module:
-    return parallelize_model(model, models.get_spec("qwen3_moe"), dims, cfg, param_dtype, reduce_dtype, dispatcher)
+                          dispatcher: DispatcherConfig | None = None, compile_blocks: bool = False) -> nn.Module:
+    return parallelize_model(model, models.get_spec("qwen3_moe"), dims, cfg, param_dtype, reduce_dtype, dispatcher,
+                             compile_blocks)
 
 
 def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:

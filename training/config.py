@@ -16,6 +16,7 @@ import models
 from kernels.config import KernelConfig, validate_kernel_config
 from parallelisms.config import ParallelConfig
 from parallelisms.dispatchers.config import DispatcherConfig, validate_dispatcher_config
+from parallelisms.float8 import FLOAT8_MODES
 from training.checkpoint import CheckpointConfig
 from training.data import DataConfig, validate_data_config
 from training.hf_tokenizer import CHOICES as TOKENIZER_CHOICES
@@ -63,6 +64,11 @@ class TrainSection:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | npu
     mixed_precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
+    # none | rowwise: FP8 GEMMs with dynamic rowwise scales for the blocks' projections and the routed experts
+    # (parallelisms/float8.py; CUDA sm_90+, needs torchao)
+    float8: str = "none"
+    # torch.compile each decoder block but its routed experts (parallelisms/compile.py); the same weights and maths
+    compile: bool = False
     output_dir: str | None = None  # run directory; None: Hydra's run directory
     save_final: bool = True  # write the final weights to <run_dir>/model.safetensors
     resume: str = "none"  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
@@ -142,6 +148,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.grad_accum_steps > 0, f"train.grad_accum_steps={t.grad_accum_steps} must be positive")
     _check(t.mixed_precision in ("auto", "bf16", "fp32"),
            f"train.mixed_precision={t.mixed_precision!r} must be auto, bf16 or fp32")
+    _check(t.float8 in FLOAT8_MODES,
+           f"train.float8={t.float8!r} is unknown; choose one of {', '.join(FLOAT8_MODES)}")
+    _check(t.float8 == "none" or t.device not in ("cpu", "npu"),
+           f"train.float8={t.float8} needs FP8 matrix units (a CUDA GPU, sm_90+); train.device={t.device} has none: "
+           "set train.float8=none")
+    _check(t.float8 == "none" or t.mixed_precision != "fp32",
+           f"train.float8={t.float8} computes from bf16 (torch's rowwise FP8 GEMMs write bf16), not "
+           "train.mixed_precision=fp32: set train.mixed_precision=auto or bf16, or train.float8=none")
     _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r} must be stop or skip")
     _check(t.gc_every >= 0, f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic GC)")
     _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: no validation)")
@@ -197,7 +211,9 @@ def _check_schedule(o: OptimConfig, steps: int) -> None:
 _EXECUTION_KEYS = ("parallel", "dispatcher", "kernel_config", "launch", "logging", "checkpoint", "model.name",
                    "model.init_from", "data.cache_dir", "train.resume", "train.allow_changes", "train.output_dir",
                    "train.device", "train.mixed_precision", "train.gc_every", "train.save_final", "train.nonfinite",
-                   "train.local_batch_size", "train.grad_accum_steps")
+                   "train.local_batch_size", "train.grad_accum_steps",
+                   # like mixed_precision: how the same weights are computed, not what is trained
+                   "train.float8", "train.compile")
 GLOBAL_BATCH_KEY = "train.global_batch_size"  # local_batch_size x grad_accum_steps x dp: compared, not a key
 
 
