@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from typing import Callable
 
 import torch
 
@@ -80,6 +81,21 @@ def dist_backend(dev_type: str) -> str:
 def synchronize(dev_type: str) -> None:
     if dev_type != "cpu":
         module(dev_type).synchronize()
+
+
+def time_ms(dev_type: str, step: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Mean device time of ``step()`` over ``iters`` back-to-back calls after ``warmup`` (device events; the host
+    is not synchronised in between, as in a training step)."""
+    mod = module(dev_type)
+    for _ in range(warmup):
+        step()
+    start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    mod.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def reset_peak_memory(dev_type: str) -> None:

@@ -43,16 +43,7 @@ def _time_ms(fn: Callable[[], torch.Tensor], grad: torch.Tensor | None, leaves: 
         if grad is not None:
             torch.autograd.grad(out, leaves, grad)
 
-    mod = device.module("cuda")
-    for _ in range(3):
-        step()
-    start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        step()
-    end.record()
-    mod.synchronize()
-    return start.elapsed_time(end) / 20
+    return device.time_ms("cuda", step)
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -253,16 +253,7 @@ def _time_ms(dev_type: str, fn: Callable, case: Case, inputs: Inputs, grad_out: 
         if grad_out is not None:
             torch.autograd.grad(out, [leaf for leaf in leaves if leaf.requires_grad], grad_out.to(out.dtype))
 
-    mod = device.module(dev_type)
-    for _ in range(3):
-        step()
-    start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        step()
-    end.record()
-    mod.synchronize()
-    return start.elapsed_time(end) / 20
+    return device.time_ms(dev_type, step)
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
