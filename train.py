@@ -186,6 +186,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
     loss, aux_loss, z_loss, norm = (*losses.tolist(), grad_norm.item())  # the step's one host sync
+    parallelisms.raise_if_dispatch_overflowed(model)  # dispatcher=capacity: a step that dropped rows is not applied
     finite = math.isfinite(loss) and math.isfinite(norm)
     if not finite and cfg.train.nonfinite == "stop":
         raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "

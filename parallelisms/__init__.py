@@ -5,6 +5,7 @@ build_parallel_dims -> parallelize_model -> (materialise) -> clip_grad_norm_ eac
 from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.dims import ParallelDims, ParallelSizes, build_parallel_dims, init_distributed, resolve_sizes
 from parallelisms.dispatchers import DispatcherConfig
+from parallelisms.expert_parallel import raise_if_dispatch_overflowed
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.parallelize import expert_shard_dim, parallelize_model, parallelize_qwen3_moe
 from parallelisms.validate import validate_parallel_config
@@ -12,5 +13,5 @@ from parallelisms.validate import validate_parallel_config
 __all__ = [
     "BackendConfig", "DispatcherConfig", "ParallelConfig", "ParallelDims", "ParallelSizes", "build_parallel_dims",
     "clip_grad_norm_", "expert_shard_dim", "init_distributed", "parallelize_model", "parallelize_qwen3_moe",
-    "resolve_sizes", "validate_parallel_config",
+    "raise_if_dispatch_overflowed", "resolve_sizes", "validate_parallel_config",
 ]

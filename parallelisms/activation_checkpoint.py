@@ -12,7 +12,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 # Saved under selective checkpointing: matmuls and attention (the FLOPs) and the collectives (recomputing an
 # all-to-all would repeat the communication and its host sync in backward).
@@ -32,6 +32,14 @@ _SAVED_OPS = {
 # torch_npu's ops of the same kinds (the grouped matmul; the MC2 all-to-alls fused with it), by name: torch.ops.npu
 # exists only once torch_npu is imported, which machines without an NPU never do.
 _SAVED_NPU_OPS = {"npu::npu_grouped_matmul", "npu::npu_alltoallv_gmm", "npu::npu_gmm_alltoallv"}
+
+
+# Profiler ranges are markers, nothing to save or recompute, yet SAC counts them as ops and fails a recompute that
+# opens more of them than the forward did. A block's FSDP pre-forward hook opens one outside the checkpointed
+# forward but inside its recompute (bf16: FSDP's input cast); while the experts were FSDP units the ranges of
+# their own hooks inside the forward happened to cover it (seen with torch 2.13). Process-wide, set at import.
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

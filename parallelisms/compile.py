@@ -3,7 +3,7 @@
 Every submodule of a block is compiled with ``fullgraph=True`` except the routed experts (``ModelSpec.experts``)
 and the modules on the way to them, whose own code stays eager: the experts run the EP dispatcher, which reads
 its all-to-all split sizes on the host (``.tolist()``: a data-dependent graph break) and whose module is an FSDP
-unit of its own (FSDP's hooks break the graph too). Left out of the graph, every dispatcher runs exactly as
+unit of its own, or carries the hooks that stand in for a one-rank FSDP (hooks break the graph too). Left out of the graph, every dispatcher runs exactly as
 without compile, and so does the per-group GEMM loop that syncs the same way.
 
 Only hook-free modules are compiled (``nn.Module.compile``, in place: parameter names keep no ``_orig_mod``):

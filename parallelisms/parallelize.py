@@ -26,7 +26,7 @@ from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.dims import ParallelDims
 from parallelisms.dispatchers import DispatcherConfig, dispatcher_class
-from parallelisms.expert_parallel import apply_expert_parallel
+from parallelisms.expert_parallel import apply_expert_parallel, replace_single_rank_fsdp
 
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelConfig,
@@ -78,8 +78,10 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
     shard_experts(experts, dims, backend, mp_policy, dispatcher)  # 1. EP, 2. expert FSDP
 
     # 3. Outer FSDP units over the model mesh, whose default average over dp x cp ranks matches grad_scale.
-    # fully_shard skips parameters that a nested fully_shard already manages: the experts keep theirs.
-    outer = dict(mesh=dims.mesh("fsdp"), ignored_params=_ignored_params(model, backend.fsdp_ignored_modules),
+    # fully_shard skips parameters that a nested fully_shard already manages: the experts keep theirs. Experts
+    # left out of FSDP (one-rank expert mesh) must be skipped by name, or the blocks would shard them.
+    bare = {p for e in experts if not isinstance(e, FSDPModule) for p in e.parameters()}
+    outer = dict(mesh=dims.mesh("fsdp"), ignored_params=_ignored_params(model, backend.fsdp_ignored_modules) | bare,
                  **fsdp_kwargs)
     fully_shard(embeddings, **outer)
     for block in blocks:
@@ -92,8 +94,10 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
 
     # 5. Explicit prefetch: the host sync before each EP all-to-all (split sizes) stalls the CPU, so FSDP's
     # implicit prefetch, issued as the CPU reaches each unit, would come too late. Each unit starts the
-    # all-gather of the next one, a MoE block's together with its experts; backward is the mirror image.
-    units: list[list[FSDPModule]] = [[embeddings], *([b, e] for b, e in zip(blocks, experts)), [final[0]]]
+    # all-gather of the next one, a MoE block's together with its experts (if FSDP holds them); backward is the
+    # mirror image.
+    units: list[list[FSDPModule]] = [[embeddings], *([b, e] if isinstance(e, FSDPModule) else [b]
+                                                     for b, e in zip(blocks, experts)), [final[0]]]
     for unit, after in zip(units, units[1:]):
         unit[0].set_modules_to_forward_prefetch(after)
     for unit, before in zip(units[::-1], units[::-1][1:]):
@@ -104,7 +108,8 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
 def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: BackendConfig,
                   mp_policy: MixedPrecisionPolicy, dispatcher: DispatcherConfig | None = None) -> None:
     """Steps 1 and 2 of the plan for the experts of every block: EP (``dispatcher``, None: eager), then
-    expert FSDP."""
+    expert FSDP (or, over a one-rank expert mesh, ``replace_single_rank_fsdp``: the experts are no FSDP unit,
+    and an outer fully_shard must ignore their parameters)."""
     num_experts = experts[0].num_experts
     # 1. EP: each ep rank keeps E/ep experts; the dispatcher all-to-alls the tokens to them.
     if dims.ep > 1:
@@ -115,6 +120,15 @@ def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: Ba
     # this mesh alone: each rank's expert gradient already sums, through the all-to-all backward, the
     # contributions of all ep ranks' tokens, so the sum over the expert FSDP mesh covers all dp x cp ranks
     # and must be divided by dp x cp = grad_scale (the default would divide by edp x efsdp x cp).
+    if expert_fsdp_is_one_rank(dims):
+        # One rank in the expert FSDP mesh (world = ep: ep2 on 2, ep8 on 8): FSDP would only cast, copy and
+        # divide each step. Do its cast and divide by hand, with its numerics and its parameter layout
+        # (checkpoints load across both). Safe under grad accumulation (each backward divides its own
+        # gradient, as FSDP's reduce-scatter does), AC (the cast is recomputed with the block) and compile
+        # (the experts stay eager); cp > 1 never gets here (the experts are replicated over expert_cp).
+        for module in experts:
+            replace_single_rank_fsdp(module, dims.mesh("expert_fsdp"), mp_policy, dims.grad_scale)
+        return
     shard_dim = expert_shard_dim(dims.efsdp, dims.ep, num_experts)
     if shard_dim:
         _check_even(experts[0], shard_dim, dims.efsdp)
@@ -127,6 +141,12 @@ def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: Ba
                     mp_policy=mp_policy, reshard_after_forward=backend.reshard_after_forward)
         module.set_gradient_divide_factor(dims.grad_scale)
         module.set_force_sum_reduction_for_comms(force_sum)
+
+
+def expert_fsdp_is_one_rank(dims: ParallelDims) -> bool:
+    """Whether the expert FSDP mesh (edp x efsdp x expert_cp) has one rank, as when EP spans the world: then
+    ``shard_experts`` leaves the experts out of FSDP."""
+    return dims.ep > 1 and dims.edp * dims.efsdp * dims.cp == 1
 
 
 def _check_untied(embeddings: nn.Module, final: list[nn.Module]) -> None:

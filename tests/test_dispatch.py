@@ -137,5 +137,5 @@ def test_eager_dispatch_matches_local_dispatch(dispatch_errors, ep, case):
 def test_unknown_dispatchers_fail_by_name():
     assert dispatcher_class("eager") is EagerDispatcher
     with pytest.raises(ValueError,
-                       match=r"dispatcher.name='eagre' is unknown; registered: dedup, domino, eager, fused, mc2"):
+                       match=r"dispatcher.name='eagre' is unknown; registered: capacity, dedup, domino, eager, fused, mc2"):
         dispatcher_class("eagre")

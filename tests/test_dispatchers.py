@@ -59,7 +59,8 @@ E2E_RUNS = {"fused": ["dispatcher=fused"], "domino": ["dispatcher=domino"],
             "domino_full_ac": ["dispatcher=domino", "parallel.activation_checkpoint=full"],
             "dedup": ["dispatcher=dedup"],
             "dedup_selective_ac": ["dispatcher=dedup", "parallel.activation_checkpoint=selective"],
-            "dedup_full_ac": ["dispatcher=dedup", "parallel.activation_checkpoint=full"]}
+            "dedup_full_ac": ["dispatcher=dedup", "parallel.activation_checkpoint=full"],
+            "capacity": ["dispatcher=capacity"]}
 BF16_RUNS = ["eager", "fused", "domino", "dedup"]  # FSDP2 bf16 params: dtype handling of the custom autograd functions
 
 
@@ -309,7 +310,8 @@ def test_registry_builds_every_named_dispatcher():
     assert dispatcher_class("domino") is DominoDispatcher
     assert dispatcher_class("mc2") is Mc2Dispatcher
     assert dispatcher_class("dedup") is DedupDispatcher
-    with pytest.raises(ValueError, match=r"'deepep' is unknown; registered: dedup, domino, eager, fused, mc2$"):
+    with pytest.raises(ValueError,
+                       match=r"'deepep' is unknown; registered: capacity, dedup, domino, eager, fused, mc2$"):
         dispatcher_class("deepep")
 
 
@@ -327,8 +329,8 @@ def test_an_unknown_dispatcher_fails_naming_the_registered_ones():
         compose_config(["dispatcher=deepep"])
     assert all(f"\t{name}\n" in str(error.value) for name in DISPATCHERS), str(error.value)
     cfg = compose_config(["dispatcher.name=deepep"])
-    with pytest.raises(ValueError, match=r"^dispatcher.name='deepep' is unknown; registered: dedup, domino, eager, "
-                                         r"fused, mc2$"):
+    with pytest.raises(ValueError, match=r"^dispatcher.name='deepep' is unknown; registered: capacity, dedup, domino, "
+                                         r"eager, fused, mc2$"):
         validate(cfg)  # before any process group
 
 
@@ -356,7 +358,8 @@ def test_register_adds_a_dispatcher_and_refuses_a_taken_name_or_a_non_dispatcher
 
 
 @pytest.mark.parametrize("overrides, expected", [([], "eager"), (["dispatcher=domino"], "domino"),
-                                                 (["dispatcher=dedup"], "dedup")])
+                                                 (["dispatcher=dedup"], "dedup"),
+                                                 (["dispatcher=capacity"], "capacity")])
 def test_parallelize_installs_the_dispatcher_group_s_dispatcher(overrides, expected):
     # What train.py passes: cfg.dispatcher next to cfg.parallel. A fake 4-rank group builds the real meshes; the
     # model stays on meta, so nothing communicates.
@@ -386,7 +389,7 @@ def _sync_count_worker(rank: int, world_size: int) -> dict[str, int]:
     ep_mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("ep",))
     install(select_kernels(KernelConfig(), "cuda"))  # as a run does: torch._grouped_mm, Triton gathers
     counts = {}
-    for name in ("eager", "fused", "domino", "dedup"):
+    for name in ("eager", "fused", "domino", "dedup", "capacity"):
         torch.manual_seed(0)
         experts = GroupedExperts(8, 64, 32).to("cuda", torch.bfloat16)
         for p in experts.parameters():
@@ -416,3 +419,4 @@ def test_fused_domino_and_dedup_sync_the_host_once_per_layer_on_gpu():
     counts = run_distributed(_sync_count_worker, 2, backend="nccl")
     # The one sync: all_to_all_single's split sizes as Python ints. (eager also pays torch.bincount's two.)
     assert counts["fused"] == counts["domino"] == counts["dedup"] == 1, counts
+    assert counts["capacity"] == 0, counts  # equal static splits: none at all

@@ -13,13 +13,16 @@ p holds experts [p*G, (p+1)*G)).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from models.moe import ExpertWeights
 from parallelisms.dispatchers.common import group_device_type, local_weights
+
+if TYPE_CHECKING:  # config.py imports this module
+    from parallelisms.dispatchers.config import DispatcherConfig
 
 
 class Dispatcher(ABC):
@@ -43,6 +46,14 @@ class Dispatcher(ABC):
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
         self.device_type = device_type or group_device_type(group)
+
+    def configure(self, cfg: DispatcherConfig) -> None:
+        """Take this dispatcher's own keys of the ``dispatcher`` group (none by default; dispatcher=capacity's
+        capacity_factor). Called once, right after construction."""
+
+    def raise_if_overflowed(self) -> None:
+        """Raise if a step dropped rows (a static-capacity dispatcher's overflow); never by default. The trainer
+        calls it after the step's host sync, before the optimizer applies that step."""
 
     @classmethod
     def check_layout(cls, ep: int, num_experts: int, top_k: int) -> None:

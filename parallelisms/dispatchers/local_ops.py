@@ -1,6 +1,6 @@
 """The local halves of a dispatch: permute the routed rows into expert order, run this rank's experts on what
 arrived, unpermute with the router weights. ``fused``, ``domino`` and ``mc2`` share them; ``dedup`` uses
-``compute``.
+``compute``, ``capacity`` ``run_in_arrival_order``.
 
 Only kernel calls, none chosen here: ``kernels.permute.moe_token_permute`` / ``moe_token_unpermute`` (the gathers
 of ``kernels.permute``, or torch_npu's fused permute / unpermute on NPU) and ``models.moe.compute_experts``
@@ -38,7 +38,16 @@ def compute(local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.T
 
 def run_local_experts(local: ExpertWeights, x_RD: torch.Tensor, splits: Splits) -> torch.Tensor:
     """Rows as they arrived (by source rank, then local expert) -> expert outputs in the same order."""
-    by_expert_R = expert_order(splits.recv_counts_dev_PG, x_RD.shape[0])
+    return run_in_arrival_order(local, x_RD, splits.recv_counts_dev_PG, splits.recv_counts_dev_PG.sum(0),
+                                splits.counts_G)
+
+
+def run_in_arrival_order(local: ExpertWeights, x_RD: torch.Tensor, arrival_counts_PG: torch.Tensor,
+                         counts_G: torch.Tensor, counts_host: list[int] | None = None) -> torch.Tensor:
+    """``run_local_experts`` from device counts: ``arrival_counts_PG`` the rows of each (source rank, key) block
+    as they arrived, keys 0..G-1 the local experts (``capacity`` adds a last column, its padding, sorted after
+    them), regrouped stably by key into the groups of ``counts_G`` (rows per local expert, all sources; sum R)."""
+    by_expert_R = expert_order(arrival_counts_PG, x_RD.shape[0])
     arrival_R = inverse_permutation(by_expert_R)
-    y_RD = compute(local, permute_rows(x_RD, by_expert_R, arrival_R), splits)
+    y_RD = compute_experts(local, permute_rows(x_RD, by_expert_R, arrival_R), counts_G, counts_host)
     return permute_rows(y_RD, arrival_R, by_expert_R)
