@@ -7,7 +7,9 @@ references in ``kernels/delta_rule.py``, so they drop into ``GatedDeltaNet``'s k
 from __future__ import annotations
 
 import functools
+import os
 import re
+from pathlib import Path
 from typing import Callable
 
 # On NPU, FLA's Triton kernels compile with triton-ascend, which no extra of ours installs (.[gpu] is for CUDA).
@@ -38,6 +40,14 @@ def chunk_backward_broken(triton_version: str | None, capability: tuple[int, int
     return (f"triton {triton_version} on a Hopper GPU (sm_{capability[0]}{capability[1]}) computes FLA's gated "
             "chunk backward (chunk_bwd_dqkwg) wrongly (FLA #640: triton >= 3.4.0 and < 3.7.1); "
             "upgrade triton to >= 3.7.1 to use the FLA kernel")
+
+
+def first_call_note() -> str:
+    """What a run that chose FLA should expect of its first step, and where the cost is cached."""
+    cache = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    return ("flash-linear-attention compiles and autotunes its Triton kernels at their first call, so the first "
+            "step can take minutes (about 2 on an H200 with packed documents); Triton keeps the kernels and the "
+            f"autotune results in {cache} (TRITON_CACHE_DIR), and later runs that find them start in seconds")
 
 
 def chunk_gated_delta_rule(chunk_size: int) -> Callable:

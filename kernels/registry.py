@@ -222,6 +222,8 @@ class Kernels:
         logger.info("kernels for %s", self.env.describe())
         for line in self.lines():
             logger.info("kernel %s", line)
+        if any(choice.impl.startswith(FLA) for choice in self.choices.values()):
+            logger.info("kernel note: %s", fla.first_call_note())
 
 
 def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:

@@ -130,6 +130,15 @@ def test_chunk_backward_bug_condition(triton_version, capability, broken: bool) 
                                                      else "flash-linear-attention")
 
 
+def test_choosing_fla_logs_its_first_step_cost(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton")
+    with caplog.at_level(logging.INFO):
+        select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", HOPPER_TRITON_36).log(
+            logging.getLogger("train"))
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernel note:")]
+    assert len(notes) == 1 and "first step can take minutes" in notes[0] and "/shared/triton" in notes[0]
+
+
 def test_npu_never_gets_the_torch_backward_step() -> None:  # #640 is a CUDA (Hopper) bug; NPU runs triton-ascend
     env = Env("npu", triton_version="3.6.0", has_torch_npu=True, fla_version="0.6.0")
     chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "npu", env).choices
