@@ -8,7 +8,8 @@ The signatures follow flash-linear-attention's ``chunk_gated_delta_rule`` / ``fu
 (time-major tensors, ``g`` in log space, ``scale`` defaulting to k^-0.5, fp32 final state): these are the torch
 references of DeltaNet's delta-rule kernel slots, and ``kernels/registry.py`` can put FLA's kernels
 (``kernels/fla.py``) in their place. ``cu_seqlens`` (packed variable-length sequences in a batch of one, as FLA takes
-them) runs each sequence on its own: simple and exact, one call per sequence.
+them): the chunked rule pads each sequence to whole chunks and runs them all in one pass, the state restarting at
+each sequence's first chunk (no call per sequence); the recurrence runs each sequence on its own.
 
 Letters as in DEVELOPERS.md (T the time steps; H value heads, a multiple of the h query/key heads: q/k head i
 serves value heads i*H/h .. (i+1)*H/h - 1, as in FLA and transformers; k, v the key and value head dims; C the chunk
@@ -18,7 +19,7 @@ length, Q chunks).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -91,16 +92,57 @@ def _initial_state(initial_state_BHkv: Tensor | None, v_BHTv: Tensor, k_dim: int
     return v_BHTv.new_zeros(B, H, k_dim, v_dim)
 
 
-@_per_sequence
+class _Lanes(NamedTuple):
+    """Packed sequences laid out in parallel lanes of whole chunks (first-fit decreasing into lanes as long as the
+    longest sequence): no chunk holds two sequences, and the chunk loop runs max-chunks steps for all of them."""
+
+    source_LP: Tensor  # each slot's token index, or T (a zero row: inert padding)
+    slot_T: Tensor  # each token's slot in the flattened [L * P] layout
+    keep_QL: Tensor  # 0 where a sequence starts at chunk q of lane l (the state restarts there), else 1
+    start_QL: Tensor  # the sequence starting there (its initial state), or n (none: zeros)
+    restarts: list[bool]  # per chunk: whether a sequence starts there in some lane
+    last: list[tuple[int, int]]  # per sequence: the (chunk, lane) where it ends, or (-1, -1) if it is empty
+
+
+def _pack_lanes(cu_seqlens: Tensor, total: int, chunk_size: int) -> _Lanes:
+    bounds = cu_seqlens.tolist()  # the one host read: the layout depends on it
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"cu_seqlens must run from 0 to the {total} tokens, got {bounds[0]} .. {bounds[-1]}")
+    n, C = len(bounds) - 1, chunk_size
+    chunks = [-(-(end - start) // C) for start, end in zip(bounds, bounds[1:])]
+    Q = max(chunks, default=0)
+    fill: list[int] = []  # chunks used per lane
+    place: dict[int, tuple[int, int]] = {}  # sequence -> (lane, first chunk)
+    for d in sorted(range(n), key=lambda d: -chunks[d]):
+        if chunks[d]:
+            lane = next((lane for lane, used in enumerate(fill) if used + chunks[d] <= Q), len(fill))
+            fill += [0] * (lane == len(fill))
+            place[d], fill[lane] = (lane, fill[lane]), fill[lane] + chunks[d]
+    L, P = max(len(fill), 1), Q * C
+    source_LP = torch.full((L, P), total)
+    slot_T = torch.empty(total, dtype=torch.long)
+    keep_QL, start_QL = torch.ones(Q, L), torch.full((Q, L), n)
+    last = [(-1, -1)] * n
+    for d, (lane, first) in place.items():
+        start, end = bounds[d], bounds[d + 1]
+        source_LP[lane, first * C:first * C + end - start] = torch.arange(start, end)
+        slot_T[start:end] = torch.arange(end - start) + lane * P + first * C
+        keep_QL[first, lane], start_QL[first, lane] = 0, d
+        last[d] = (first + chunks[d] - 1, lane)
+    device = cu_seqlens.device
+    return _Lanes(source_LP.to(device), slot_T.to(device), keep_QL.to(device), start_QL.to(device),
+                  (keep_QL == 0).any(1).tolist(), last)
+
+
 @_fp32
 def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 64, cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """q, k [B, T, h, k]; v [B, T, H, v]; g (log decay, <= 0), beta [B, T, H]; initial_state [B, H, k, v].
-    Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None). Also takes
-    ``cu_seqlens`` (see ``_per_sequence``).
+    Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None). With ``cu_seqlens``
+    (n + 1 offsets, batch of one): n sequences, initial_state and the final states [n, H, k, v].
 
     Within a chunk, with gamma_i the cumulative log decay from the chunk start, the deltas
     ``delta_i = beta_i (v_i - S_{i-1}^T k_i e^{g_i})`` solve the unit lower-triangular system
@@ -109,9 +151,21 @@ def chunk_gated_delta_rule(
     """
     T = q.shape[1]
     q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT = _head_major_fp32(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    state_BHkv = _initial_state(initial_state, v_BHTv, k_BHTk.shape[-1])
-    # Zero padding at the end is inert: g = 0 and beta = 0 leave the state as it is; its outputs are cut off.
-    C, pad = chunk_size, -T % chunk_size
+    C, k_dim, lanes = chunk_size, k_BHTk.shape[-1], None
+    state_BHkv = _initial_state(initial_state if cu_seqlens is None else None, v_BHTv, k_dim)
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs the sequences concatenated into a batch of 1, got batch {q.shape[0]}")
+        # The sequences as the rows of a batch (B = L lanes), each padded to whole chunks: zero padding is inert
+        # (g = 0 and beta = 0 leave the state as it is, its outputs are dropped), so one pass runs them all.
+        lanes = _pack_lanes(cu_seqlens, T, C)
+        q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT = (
+            torch.cat([x[0], x.new_zeros(x.shape[1], 1, *x.shape[3:])], dim=1)[:, lanes.source_LP].transpose(0, 1)
+            for x in (q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT))
+        state_BHkv = v_BHTv.new_zeros(q_BHTk.shape[0], v_BHTv.shape[1], k_dim, v_BHTv.shape[-1])
+        starts_NHkv = None if initial_state is None else torch.cat([initial_state.float(), state_BHkv[:1]])
+    # Zero padding at the end is inert too; its outputs are cut off.
+    pad = -q_BHTk.shape[2] % C
     q_BHQCk, k_BHQCk, v_BHQCv = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, C)) for x in (q_BHTk, k_BHTk, v_BHTv))
     g_BHQC, beta_BHQC = (F.pad(x, (0, pad)).unflatten(2, (-1, C)) for x in (g_BHT, beta_BHT))
 
@@ -130,14 +184,27 @@ def chunk_gated_delta_rule(
     k_write_BHQCk = k_BHQCk * (gamma_BHQC[..., -1:] - gamma_BHQC).exp()[..., None]  # decayed to the chunk end
     chunk_decay_BHQ = gamma_BHQC[..., -1].exp()
 
-    outputs = []
+    outputs, history = [], []
     for i in range(q_BHQCk.shape[2]):
+        if lanes is not None and lanes.restarts[i]:  # a sequence starts here in some lane: its state restarts
+            state_BHkv = state_BHkv * lanes.keep_QL[i, :, None, None, None]
+            if starts_NHkv is not None:
+                state_BHkv = state_BHkv + starts_NHkv[lanes.start_QL[i]]
         delta_BHCv = u_BHQCv[:, :, i] - w_BHQCk[:, :, i] @ state_BHkv
         outputs.append(q_read_BHQCk[:, :, i] @ state_BHkv + scores_BHQCC[:, :, i] @ delta_BHCv)
         state_BHkv = (state_BHkv * chunk_decay_BHQ[:, :, i, None, None]
                       + k_write_BHQCk[:, :, i].transpose(-1, -2) @ delta_BHCv)
-    o_BHTv = torch.cat(outputs, dim=2)[:, :, :T]
-    return o_BHTv.transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None
+        history.append(state_BHkv)
+    o_BHTv = torch.cat(outputs, dim=2)
+    if lanes is None:
+        return o_BHTv[:, :, :T].transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None
+    o_BTHv = o_BHTv.transpose(1, 2).flatten(0, 1)[lanes.slot_T][None]
+    if not output_final_state:
+        return o_BTHv.to(v.dtype), None
+    empty = state_BHkv.new_zeros(state_BHkv.shape[1:]) if initial_state is None else None
+    finals = [history[i][lane] if i >= 0 else (empty if empty is not None else initial_state[d].float())
+              for d, (i, lane) in enumerate(lanes.last)]
+    return o_BTHv.to(v.dtype), torch.stack(finals)
 
 
 @_per_sequence

@@ -94,3 +94,36 @@ def test_matches_transformers_reference() -> None:
         # Same algorithms in fp32: only the memory layout (and so the summation order) may differ.
         torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-6)
         torch.testing.assert_close(state, state_ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_packed_sequences_run_in_one_pass_as_one_call_each(chunk_size: int) -> None:
+    """cu_seqlens: one pass over chunk-aligned sequences equals calling the rule per sequence, outputs, final
+    states and gradients, with and without initial states (chunk-crossing, exact-fit and one-token sequences)."""
+    torch.manual_seed(0)
+    lengths = [13, 16, 1, 30, 4]
+    T, h, H, dk, dv = sum(lengths), 2, 4, 8, 6
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    leaves = [torch.randn(1, T, h, dk), torch.randn(1, T, h, dk), torch.randn(1, T, H, dv),
+              -torch.rand(1, T, H), torch.rand(1, T, H), torch.randn(len(lengths), H, dk, dv)]
+    for with_state in (False, True):
+        packed = [x.clone().requires_grad_() for x in leaves]
+        q, k, v, g, beta, s0 = packed
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0 if with_state else None,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          chunk_size=chunk_size, cu_seqlens=cu)
+        (o.square().sum() + final.square().sum()).backward()
+        single = [x.clone().requires_grad_() for x in leaves]
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+            o_i, f_i = chunk_gated_delta_rule(*(x[:, a:b] for x in single[:5]),
+                                              initial_state=single[5][i:i + 1] if with_state else None,
+                                              output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                              chunk_size=chunk_size)
+            outs.append(o_i)
+            finals.append(f_i)
+        (torch.cat(outs, 1).square().sum() + torch.cat(finals).square().sum()).backward()
+        torch.testing.assert_close(o, torch.cat(outs, 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final, torch.cat(finals), rtol=1e-5, atol=1e-5)
+        for a, b in zip(packed[:5 + with_state], single[:5 + with_state]):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
