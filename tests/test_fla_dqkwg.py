@@ -110,3 +110,51 @@ def test_packed_needs_chunk_indices() -> None:
     inputs, _ = _forward_and_grads([10], batch=1, chunk=4)
     with pytest.raises(ValueError, match="chunk_indices"):
         chunk_bwd_dqkwg(**inputs, cu_seqlens=torch.tensor([0, 10]))
+
+
+def test_the_fla_backend_forwards_to_the_torch_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/fla.py's adapter, against a stand-in for FLA's backend registry (FLA itself needs triton): it
+    registers one backend for FLA's 'common' ops, accepts only the gated delta rule's call, and returns what
+    chunk_bwd_dqkwg returns, preparing chunk_indices where FLA's caller passes none."""
+    import sys
+    import types
+
+    from kernels import fla
+
+    registered = {}
+
+    class BaseBackend:
+        def __init__(self, *, env_var=None):
+            pass
+
+    def register(entry_point):
+        def add(cls):
+            registered[entry_point] = cls()
+            return cls
+        return add
+
+    lengths = [13, 4, 27, 1, 9]
+    backends = types.ModuleType("fla.backends")
+    backends.BaseBackend, backends.register = BaseBackend, register
+    index = types.ModuleType("fla.ops.utils.index")
+    index.prepare_chunk_indices = lambda cu_seqlens, chunk: _chunk_indices(lengths, chunk)
+    for name, module in {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops"),
+                         "fla.ops.utils": types.ModuleType("fla.ops.utils"), "fla.backends": backends,
+                         "fla.ops.utils.index": index}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    fla._register_torch_dqkwg.cache_clear()
+    try:
+        fla._register_torch_dqkwg()
+    finally:
+        fla._register_torch_dqkwg.cache_clear()
+    backend = registered["common"]
+    inputs, expected = _forward_and_grads(lengths, batch=1, chunk=4)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    call = dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], do=inputs["do"], h=inputs["h"], dh=inputs["dh"],
+                w=inputs["w"], g=inputs["g"], dv=inputs["dv"], scale=inputs["scale"], cu_seqlens=cu, chunk_size=4,
+                state_v_first=False)
+    assert backend.chunk_bwd_dqkwg_verifier(**call) == (True, None)
+    assert not backend.chunk_bwd_dqkwg_verifier(**{**call, "g": None})[0]  # other FLA ops' calls: FLA's own kernel
+    assert not backend.chunk_bwd_dqkwg_verifier(**{**call, "state_v_first": True})[0]
+    for got, want in zip(backend.chunk_bwd_dqkwg(**call), expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
