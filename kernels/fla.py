@@ -46,7 +46,7 @@ def first_call_note() -> str:
     """What a run that chose FLA should expect of its first step, and where the cost is cached."""
     cache = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
     return ("flash-linear-attention compiles and autotunes its Triton kernels at their first call, so the first "
-            "step can take minutes (about 2 on an H200 with packed documents); Triton keeps the kernels and the "
+            "step can take minutes (2 to 4 on an H200 with packed documents); Triton keeps the kernels and the "
             f"autotune results in {cache} (TRITON_CACHE_DIR), and later runs that find them start in seconds")
 
 
