@@ -152,8 +152,9 @@ def chunk_gated_delta_rule(
     T = q.shape[1]
     q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT = _head_major_fp32(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     C, k_dim, lanes = chunk_size, k_BHTk.shape[-1], None
-    state_BHkv = _initial_state(initial_state if cu_seqlens is None else None, v_BHTv, k_dim)
-    if cu_seqlens is not None:
+    if cu_seqlens is None:
+        state_BHkv = _initial_state(initial_state, v_BHTv, k_dim)
+    else:
         if q.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs the sequences concatenated into a batch of 1, got batch {q.shape[0]}")
         # The sequences as the rows of a batch (B = L lanes), each padded to whole chunks: zero padding is inert
@@ -184,7 +185,8 @@ def chunk_gated_delta_rule(
     k_write_BHQCk = k_BHQCk * (gamma_BHQC[..., -1:] - gamma_BHQC).exp()[..., None]  # decayed to the chunk end
     chunk_decay_BHQ = gamma_BHQC[..., -1].exp()
 
-    outputs, history = [], []
+    # Packed sequences end in different chunks: keep each chunk's states only where final states are returned.
+    outputs, history, keep_history = [], [], lanes is not None and output_final_state
     for i in range(q_BHQCk.shape[2]):
         if lanes is not None and lanes.restarts[i]:  # a sequence starts here in some lane: its state restarts
             state_BHkv = state_BHkv * lanes.keep_QL[i, :, None, None, None]
@@ -194,17 +196,21 @@ def chunk_gated_delta_rule(
         outputs.append(q_read_BHQCk[:, :, i] @ state_BHkv + scores_BHQCC[:, :, i] @ delta_BHCv)
         state_BHkv = (state_BHkv * chunk_decay_BHQ[:, :, i, None, None]
                       + k_write_BHQCk[:, :, i].transpose(-1, -2) @ delta_BHCv)
-        history.append(state_BHkv)
+        if keep_history:
+            history.append(state_BHkv)
     o_BHTv = torch.cat(outputs, dim=2)
     if lanes is None:
         return o_BHTv[:, :, :T].transpose(1, 2).to(v.dtype), state_BHkv if output_final_state else None
     o_BTHv = o_BHTv.transpose(1, 2).flatten(0, 1)[lanes.slot_T][None]
     if not output_final_state:
         return o_BTHv.to(v.dtype), None
-    empty = state_BHkv.new_zeros(state_BHkv.shape[1:]) if initial_state is None else None
-    finals = [history[i][lane] if i >= 0 else (empty if empty is not None else initial_state[d].float())
-              for d, (i, lane) in enumerate(lanes.last)]
-    return o_BTHv.to(v.dtype), torch.stack(finals)
+
+    def final_state(d: int, chunk: int, lane: int) -> Tensor:  # an empty sequence keeps its initial state
+        if chunk >= 0:
+            return history[chunk][lane]
+        return state_BHkv.new_zeros(state_BHkv.shape[1:]) if initial_state is None else initial_state[d].float()
+
+    return o_BTHv.to(v.dtype), torch.stack([final_state(d, *end) for d, end in enumerate(lanes.last)])
 
 
 @_per_sequence

@@ -101,10 +101,11 @@ def apply_float8(model: nn.Module, spec: ModelSpec, mode: str, device_type: str,
         check_float8_device(device_type, capability)
     Float8LinearConfig, convert_to_float8_training = _torchao_float8()
     fqns = float8_linear_fqns(model, spec, min_dim)
+    chosen = set(fqns)  # decided once, by name: torchao passes each module's FQN as named_modules gives it
     # Rowwise: dynamic e4m3 scales per row of input, weight and grad_output, rounded to powers of 2; the default
     # enable_fsdp_float8_all_gather=False keeps FSDP's all-gathers in bf16 (rowwise has no fp8 all-gather).
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(mode),
-                               module_filter_fn=float8_linear_filter(model, spec, min_dim))
+                               module_filter_fn=lambda module, fqn: fqn in chosen)
     experts = [block.get_submodule(spec.experts) for block in model.get_submodule(spec.blocks)]
     fp8_experts = 0
     for module in experts:
