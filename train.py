@@ -27,16 +27,18 @@ from omegaconf import DictConfig, OmegaConf
 import models
 import parallelisms
 from core import device
+from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
 from parallelisms.float8 import apply_float8
-from training.checkpoint import (atomic_write_text, load_checkpoint, read_train_state, resolve_resume, rng_state,
-                                 save_checkpoint, save_model_weights, set_rng_state)
+from training.checkpoint import (load_checkpoint, read_train_state, resolve_resume, rng_state, save_checkpoint,
+                                 save_model_weights, set_rng_state)
 from training.config import (TrainConfig, check_resume_config, flat_config, register_schema, schema_defaults,
                              to_train_config, validate)
-from training.data import build_data_loader, context_shard
+from training.data.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
+from training.data.loader import build_data_loader
+from training.data.packing import context_shard
 from training.evaluate import validation_loss
-from training.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
 from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import MetricLogger, moe_metrics, progress_line, reduce_routing, routing_summary

@@ -1,6 +1,6 @@
 """Ulysses context parallelism (``parallel.cp_mode=ulysses``).
 
-Each of the cp ranks of a dp slice holds a contiguous 1/cp of every sequence (``training.data.context_shard``).
+Each of the cp ranks of a dp slice holds a contiguous 1/cp of every sequence (``training.data.packing.context_shard``).
 Around each sequence op a model declares (``sequence_ops``, see ``models/sequence_ops.py``) an all-to-all trades
 the sequence shard for a head shard: the op runs on 1/cp of the heads over the whole sequence, and a second
 all-to-all trades back. Everything else is token-wise and runs on the local tokens unchanged: projections, norms,

@@ -27,8 +27,8 @@ from safetensors.torch import load_file  # noqa: E402
 from models import build_args, get_spec  # noqa: E402
 from models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_state_dict_hf  # noqa: E402
 from training.checkpoint import TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state  # noqa: E402
-from training.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
-from training.tokenizer import TOKENIZERS  # noqa: E402
+from training.data.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
+from training.data.tokenizer import TOKENIZERS  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -35,7 +35,8 @@ import parallelisms  # noqa: E402
 from models import build_args, get_spec  # noqa: E402
 from models.hf_io import export_hf, load_hf_into_model, load_hf_state_dict, load_into_model  # noqa: E402
 from parallelisms.config import BackendConfig, ParallelConfig  # noqa: E402
-from training.checkpoint import atomic_write, full_state_dict, save_model_weights  # noqa: E402
+from core.files import atomic_write  # noqa: E402
+from training.checkpoint import full_state_dict, save_model_weights  # noqa: E402
 
 LOADS = {"sliced": "load_hf_into_model (own slices)", "full": "load_hf_state_dict + load_into_model (all)"}
 SAVES = {"streamed": "save_model_weights (streamed, one tensor at a time)",

@@ -10,7 +10,7 @@ them, or a save_to_disk directory; --column picks the text or messages column; n
 sha256, reader, tokenizer, per shard its range, documents, tokens, trained tokens and sha256; totals). Re-running the
 same command after an interruption redoes only the shards that are missing or do not match the manifest. A progress
 line on stderr shows shards, tokens, tokens/s and the ETA. Train on the result with data=tokens data.path=OUT_DIR
-(data.mask_non_assistant=true trains only assistant turns). See ``training.tokenize_shards``.
+(data.mask_non_assistant=true trains only assistant turns). See ``training.data.tokenize_shards``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as `python scripts/pretokenize.py`
 
-from training.hf_datasets import hf_corpus  # noqa: E402
-from training.tokenize_shards import Corpus, JsonlCorpus, tokenize_to_shards  # noqa: E402
-from training.tokenizer import TOKENIZERS  # noqa: E402
+from training.data.hf_datasets import hf_corpus  # noqa: E402
+from training.data.tokenize_shards import Corpus, JsonlCorpus, tokenize_to_shards  # noqa: E402
+from training.data.tokenizer import TOKENIZERS  # noqa: E402
 
 
 def corpus(args: argparse.Namespace) -> Corpus:

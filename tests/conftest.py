@@ -147,7 +147,8 @@ def write_chats(path: Path, num_conversations: int = 64, seed: int = 0) -> Path:
 def trained_tokens_per_rank(cfg: TrainConfig, dp: int, cp: int = 1) -> list[list[int]]:
     """Trained (unmasked) tokens of the first batch of ``cfg``'s run, per dp rank and cp shard: what each rank
     would normalise by if it used its own count."""
-    from training.data import build_data_loader, context_shard
+    from training.data.loader import build_data_loader
+    from training.data.packing import context_shard
     from training.loss import IGNORE_INDEX
 
     counts = []

@@ -31,8 +31,8 @@ from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, pa
                           validate_parallel_config)
 from tests.conftest import compose_config, trained_tokens_per_rank, write_chats
 from tests.dist_utils import load_full_weights, run_distributed
-from training.data import context_shard
-from training.tokenizer import QwenTokenizer
+from training.data.packing import context_shard
+from training.data.tokenizer import QwenTokenizer
 
 WORLD, STEPS, SEQ, GLOBAL_BATCH, EOS = 8, 3, 32, 8, 0
 PRESETS = ["cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2"]  # every CP preset that fits 8 ranks

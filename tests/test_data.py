@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from training.data import IGNORE_INDEX, DataConfig, build_data_loader, context_shard, validate_data_config
-from training.tokenizer import QwenTokenizer
+from core.constants import IGNORE_INDEX
+from training.data.config import DataConfig, validate_data_config
+from training.data.loader import build_data_loader
+from training.data.packing import context_shard
+from training.data.tokenizer import QwenTokenizer
 
 CHITCHAT_JSON = Path(str(importlib.resources.files("chitchat_dataset") / "dataset.json"))
 

@@ -13,8 +13,9 @@ import torch
 
 import train
 from tests.conftest import write_tokens
-from training import token_shards
-from training.data import DataConfig, SourceConfig, build_data_loader, validate_data_config
+from training.data import token_shards
+from training.data.config import DataConfig, SourceConfig, validate_data_config
+from training.data.loader import build_data_loader
 
 CUTS = [0, 130, 131, 400, 655, 656, 900, 1000]  # uneven shards, some of one token, none aligned to windows
 
@@ -224,7 +225,8 @@ def test_mixture_over_20_shards_trains_and_resumes_exactly(tiny_run_config, tmp_
 
 _FLAT_MEMORY = r"""
 import resource, sys, numpy as np
-from training.data import DataConfig, build_data_loader
+from training.data.config import DataConfig
+from training.data.loader import build_data_loader
 
 def status(key):  # bytes of one /proc/self/status field
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from training.data import DataConfig, SourceConfig, _tokenized_stream, build_data_loader
-from training.tokenize_shards import MANIFEST, tokenize_to_shards
-from training.tokenizer import special_tokens
+from training.data.cache import tokenized_stream as _tokenized_stream
+from training.data.config import DataConfig, SourceConfig
+from training.data.loader import build_data_loader
+from training.data.tokenize_shards import MANIFEST, tokenize_to_shards
+from training.data.tokenizer import special_tokens
 
 datasets = pytest.importorskip("datasets")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -21,10 +21,11 @@ from hydra.errors import ConfigCompositionException
 import train
 from tests.conftest import TINY_MODEL, compose_config, write_chats, write_tokens
 from training.config import check_resume_config
-from training.data import DataConfig, build_data_loader
-from training.hf_tokenizer import (CHAT_TEMPLATE, TOKENIZER_FILES, identify_hf_tokenizer, run_tokenizer,
+from training.data.config import DataConfig
+from training.data.loader import build_data_loader
+from training.data.hf_tokenizer import (CHAT_TEMPLATE, TOKENIZER_FILES, identify_hf_tokenizer, run_tokenizer,
                                    write_hf_tokenizer)
-from training.tokenizer import QwenTokenizer, special_tokens
+from training.data.tokenizer import QwenTokenizer, special_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 CHITCHAT_JSON = Path(str(importlib.resources.files("chitchat_dataset") / "dataset.json"))

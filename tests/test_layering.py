@@ -2,7 +2,8 @@
 functions included, so an upward import fails here before it becomes a cycle.
 
 Layers, bottom first; a file may import its own layer and those below it:
-    core          device module, shared constants (imports nothing of the project)
+    core          device module, shared constants, atomic writes (imports nothing of the project)
+    data          training/data/: tokenizers, documents, shards, the cache, packing, the loader (may use core)
     kernels       device kernels, each beside its torch reference (may use core)
     models        pure PyTorch; kernel slots hold the kernels' torch references
     parallelisms  meshes and everything that shards
@@ -17,13 +18,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("core", "kernels", "models", "parallelisms", "training", "train")  # bottom first
+LAYERS = ("core", "data", "kernels", "models", "parallelisms", "training", "train")  # bottom first
 TOP_LEVEL = {"core": "core", "kernels": "kernels", "models": "models", "parallelisms": "parallelisms",
              "training": "training", "train": "train", "scripts": "train"}  # top-level name -> layer
 
 
 def layer_of(module: str) -> str | None:
     """The layer of a dotted module name, or None for anything outside the project (torch, stdlib, ...)."""
+    if module == "training.data" or module.startswith("training.data."):
+        return "data"  # a floor of its own inside training/ (training/data/__init__.py)
     return TOP_LEVEL.get(module.split(".")[0])
 
 
@@ -92,9 +95,19 @@ def test_a_lazy_upward_import_is_caught(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("import kernels.x\n")
     (tmp_path / "kernels" / "x.py").write_text(
         "import torch\nfrom core import device\nfrom . import y\n\n\ndef f():\n    from models.layers import RMSNorm\n"
-        "    import importlib\n    return importlib.import_module('training.data')\n")
+        "    import importlib\n    return importlib.import_module('training.checkpoint')\n")
     assert upward_imports(tmp_path) == ["kernels/x.py:7 imports models.layers (kernels -> models)",
-                                        "kernels/x.py:9 imports training.data (kernels -> training)"]
+                                        "kernels/x.py:9 imports training.checkpoint (kernels -> training)"]
+
+
+def test_the_data_floor_imports_core_only(tmp_path: Path) -> None:
+    (tmp_path / "training" / "data").mkdir(parents=True)
+    (tmp_path / "train.py").write_text("from training.data.loader import f\n")
+    (tmp_path / "training" / "data" / "loader.py").write_text(
+        "from core.files import atomic_write\nfrom training.data.cache import g\nfrom training.checkpoint import h\n"
+        "from kernels.norm import rms_norm\n")
+    assert upward_imports(tmp_path) == ["training/data/loader.py:3 imports training.checkpoint (data -> training)",
+                                        "training/data/loader.py:4 imports kernels.norm (data -> kernels)"]
 
 
 def test_no_script_shadows_a_standard_library_module() -> None:
@@ -102,3 +115,61 @@ def test_no_script_shadows_a_standard_library_module() -> None:
     # (through inspect, dataclasses, ...) in place of the standard library's tokenize, breaking every script
     shadowing = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.stem in sys.stdlib_module_names)
     assert not shadowing, f"scripts named like standard library modules: {shadowing}; rename them"
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Cycles of the module graph (a -> b when a imports b or a name of b, at any depth), each as its modules in
+    order; one per strongly connected component of more than one module."""
+    modules = {_module_name(p, root) for p in project_files(root)}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for path in project_files(root):
+        here = _module_name(path, root)
+        for _, module in imported_modules(path, root):
+            while module and module not in modules:  # ``from a.b import c``: a.b, or a.b.c when c is a module
+                module = module.rpartition(".")[0]
+            if module and module != here and not here.startswith(module + "."):  # a package's own __init__ is not
+                graph[here].add(module)                                           # a cycle of its submodules
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                n = stack.pop()
+                component.append(n)
+                if n == m:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return cycles
+
+
+def test_no_two_modules_import_each_other() -> None:
+    cycles = import_cycles(ROOT)
+    assert not cycles, "import cycles (break each: one side owns what both need):\n" + "\n".join(map(str, cycles))
+
+
+def test_an_import_cycle_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "parallelisms" / "dispatchers").mkdir(parents=True)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "parallelisms" / "dispatchers" / "__init__.py").write_text("from .base import Dispatcher\n")
+    (tmp_path / "parallelisms" / "dispatchers" / "base.py").write_text(
+        "def f():\n    from parallelisms.dispatchers.config import DispatcherConfig\n")
+    (tmp_path / "parallelisms" / "dispatchers" / "config.py").write_text(
+        "from parallelisms.dispatchers.base import dispatcher_class\n")
+    assert import_cycles(tmp_path) == [["parallelisms.dispatchers.base", "parallelisms.dispatchers.config"]]

@@ -18,7 +18,7 @@ from models import build_args, get_spec
 from models.hf_io import export_hf
 from tests.conftest import TINY_MODEL, compose_config, trained_tokens_per_rank, write_chats, write_tokens
 from tests.dist_utils import run_distributed, seeded_weights
-from training.tokenizer import QwenTokenizer
+from training.data.tokenizer import QwenTokenizer
 
 WORLD, LOCAL_BATCH = 4, 2
 PRESETS = ["ddp", "fsdp2", "hsdp", "ep2", "ep4", "ep2_edp2"]

@@ -16,7 +16,9 @@ import train
 from models import build_args, get_spec
 from models.hf_io import export_state_dict_hf, load_hf_into_model
 from models.moe import TopKRouter
-from training.data import DataConfig, Source, build_data_loader, hold_out
+from training.data.config import DataConfig
+from training.data.loader import build_data_loader
+from training.data.packing import Source, hold_out
 from training.loss import router_loss_shares
 from training.router_balance import update_expert_biases
 

@@ -1,4 +1,4 @@
-"""training.tokenize_shards and scripts/pretokenize.py: shards over worker processes equal the single-process stream,
+"""training.data.tokenize_shards and scripts/pretokenize.py: shards over worker processes equal the single-process stream,
 resume redoes only what is missing, errors name the file and line, the CLI writes the manifest."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.data import DataConfig, _tokenized_stream
-from training.tokenize_shards import MANIFEST, jsonl_docs, tokenize_to_shards
-from training.tokenizer import QwenTokenizer
+from training.data.cache import tokenized_stream as _tokenized_stream
+from training.data.config import DataConfig
+from training.data.tokenize_shards import MANIFEST, jsonl_docs, tokenize_to_shards
+from training.data.tokenizer import QwenTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,8 +100,8 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, workers: int) -> Non
 
 
 def test_jsonl_cache_uses_the_shards_and_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("training.data._CACHE_DOCS_PER_SHARD", 100)  # 3 shards over 2 processes
-    monkeypatch.setattr("training.data._TOKENIZE_WORKERS", 2)
+    monkeypatch.setattr("training.data.cache._CACHE_DOCS_PER_SHARD", 100)  # 3 shards over 2 processes
+    monkeypatch.setattr("training.data.cache._TOKENIZE_WORKERS", 2)
     src = _corpus(tmp_path / "c.jsonl")
     cfg = DataConfig(name="jsonl", path=str(src), cache_dir=str(tmp_path / "cache"))
     stream = _tokenized_stream(cfg, "qwen3")

@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from core.files import atomic_write
 from core.safetensors_stream import layout_of, save_file_order, stream_gathered, write_safetensors
 
 logger = logging.getLogger("train")
@@ -280,20 +281,6 @@ def set_rng_state(states: dict[str, str], dev_type: str) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` beside ``path``, then rename: readers see the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def _own_files(directory: Path, rank: int) -> list[Path]:

@@ -15,11 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 import models
 from kernels.config import KernelConfig, validate_kernel_config
 from parallelisms.config import ParallelConfig
-from parallelisms.dispatchers.config import DispatcherConfig, validate_dispatcher_config
+from parallelisms.dispatchers.base import validate_dispatcher_config
+from parallelisms.dispatchers.config import DispatcherConfig
 from parallelisms.float8 import FLOAT8_MODES
 from training.checkpoint import CheckpointConfig
-from training.data import DataConfig, validate_data_config
-from training.hf_tokenizer import CHOICES as TOKENIZER_CHOICES
+from training.data.config import DataConfig, validate_data_config
+from training.data.hf_tokenizer import CHOICES as TOKENIZER_CHOICES
 from training.launch import LaunchConfig
 
 
@@ -27,7 +28,7 @@ from training.launch import LaunchConfig
 class ModelConfig:
     name: str = "qwen3_moe_debug"
     model_type: str | None = "qwen3_moe"  # None with model=hf: taken from init_from's config.json
-    # The vocabulary the data is tokenized with and the export writes: qwen3 | qwen3_5 (training.tokenizer), auto
+    # The vocabulary the data is tokenized with and the export writes: qwen3 | qwen3_5 (training.data.tokenizer), auto
     # (model.init_from's tokenizer files; model=hf) or none (pre-tokenized data of another vocabulary)
     tokenizer: str = "qwen3"
     init_from: str | None = None  # a Hugging Face directory (config.json + safetensors) to load weights from

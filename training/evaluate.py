@@ -1,4 +1,4 @@
-"""Validation loss: the model in eval mode over fixed held-out batches (``training.data.ValidationSet``)."""
+"""Validation loss: the model in eval mode over fixed held-out batches (``training.data.validation.ValidationSet``)."""
 
 from __future__ import annotations
 

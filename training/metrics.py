@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from models.moe import RouterStats
-from training.checkpoint import atomic_write_text
+from core.files import atomic_write_text
 from training.config import LoggingConfig
 
 logger = logging.getLogger("train")

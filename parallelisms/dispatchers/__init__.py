@@ -12,8 +12,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from parallelisms.dispatchers.base import DISPATCHERS, Dispatcher, dispatcher_class, register
-from parallelisms.dispatchers.config import DispatcherConfig, validate_dispatcher_config
+from parallelisms.dispatchers.base import DISPATCHERS, Dispatcher, dispatcher_class, register, validate_dispatcher_config
+from parallelisms.dispatchers.config import DispatcherConfig
 
 for _module in pkgutil.iter_modules(__path__):  # each dispatcher's module fills DISPATCHERS as it is imported
     importlib.import_module(f"{__name__}.{_module.name}")

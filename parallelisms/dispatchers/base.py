@@ -13,16 +13,14 @@ p holds experts [p*G, (p+1)*G)).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
+from typing import Callable, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from models.moe import ExpertWeights
 from parallelisms.dispatchers.common import group_device_type, local_weights
-
-if TYPE_CHECKING:  # config.py imports this module
-    from parallelisms.dispatchers.config import DispatcherConfig
+from parallelisms.dispatchers.config import DispatcherConfig
 
 
 class Dispatcher(ABC):
@@ -114,3 +112,13 @@ def dispatcher_class(name: str) -> type[Dispatcher]:
     if name not in DISPATCHERS:
         raise ValueError(f"dispatcher.name={name!r} is unknown; registered: {', '.join(sorted(DISPATCHERS))}")
     return DISPATCHERS[name]
+
+
+def validate_dispatcher_config(cfg: DispatcherConfig) -> None:
+    """An unknown name fails before any process group, listing the registered dispatchers."""
+    dispatcher_class(cfg.name)
+    if not cfg.capacity_factor > 0:
+        raise ValueError(f"dispatcher.capacity_factor={cfg.capacity_factor} must be > 0 (rows per peer = "
+                         "ceil(capacity_factor * tokens * top_k / ep))")
+    if cfg.name != "capacity" and cfg.capacity_factor != DispatcherConfig.capacity_factor:
+        raise ValueError(f"dispatcher.capacity_factor applies to dispatcher=capacity only, not {cfg.name}")

@@ -2,7 +2,7 @@
 
 ``write_hf_tokenizer(name, dir)`` writes what ``transformers`` needs to use an exported model end to end
 (``AutoTokenizer``, ``apply_chat_template``, ``pipeline("text-generation")``): ``tokenizer.json`` (byte-level BPE
-built here from the tiktoken ranks of ``training.tokenizer``: no transformers or tokenizers package is needed to
+built here from the tiktoken ranks of ``training.data.tokenizer``: no transformers or tokenizers package is needed to
 write it), ``tokenizer_config.json`` (special tokens, the ChatML template of ``QwenTokenizer.render_chat``),
 ``generation_config.json`` (stop and pad ids as Qwen ships them) and the bos/eos ids in ``config.json``.
 
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from training.tokenizer import (CHAT_ROLES, PUBLISHED_VOCAB_SIZES, TOKENIZERS, bpe_ranks, special_tokens,
-                                split_pattern, vocab_size)
+from training.data.tokenizer import (CHAT_ROLES, PUBLISHED_VOCAB_SIZES, TOKENIZERS, bpe_ranks, special_tokens,
+                                     split_pattern, vocab_size)
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from training.checkpoint import atomic_write_text
-from training.tokenize_shards import MANIFEST
+from core.files import atomic_write_text
+from training.data.tokenize_shards import MANIFEST
 
 SHARD_SUFFIXES = (".npy", ".bin")
 BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids

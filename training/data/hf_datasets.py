@@ -3,7 +3,7 @@
 
 ``data.path`` is a file, a directory or a glob of .parquet, .arrow or .jsonl/.json files (one format), or a directory
 written by ``Dataset.save_to_disk``. One document per row of ``data.column``: a string is a text, a list of
-{"role", "content"} is a chat, rendered and masked as data=jsonl does (``training.tokenize_shards``). Parquet and json
+{"role", "content"} is a chat, rendered and masked as data=jsonl does (``training.data.tokenize_shards``). Parquet and json
 are converted once to arrow under ``<data.cache_dir>/hf`` by ``datasets``; arrow files are memory-mapped in place.
 """
 
@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.tokenize_shards import Doc, Shard, checked_messages, document, shard_name
-from training.tokenizer import QwenTokenizer
+from training.data.chat import Doc, checked_messages, document
+from training.data.tokenize_shards import Shard, shard_name
+from training.data.tokenizer import QwenTokenizer
 
 HF_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}  # suffix -> builder
 SAVED = "saved"  # the format of a save_to_disk directory

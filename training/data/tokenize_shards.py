@@ -1,7 +1,7 @@
 """Tokenize a text corpus over worker processes into shards, resumably, with a manifest.
 
 A corpus (``Corpus``) is a .jsonl file (``JsonlCorpus``: one document per non-blank line, ``{"text": ...}`` or
-``{"messages": [{"role", "content"}, ...]}``) or local Hugging Face datasets files (``training.hf_datasets``: one
+``{"messages": [{"role", "content"}, ...]}``) or local Hugging Face datasets files (``training.data.hf_datasets``: one
 document per row of a text or messages column). A text is encoded and followed by <|endoftext|>, all trained; a chat
 is rendered with the ChatML template (only assistant turns trained) and followed by an untrained <|endoftext|>.
 
@@ -12,7 +12,7 @@ Each shard is written atomically, and ``<out_dir>/manifest.json`` (source and it
 finished shard's range, documents, tokens, trained tokens and sha256, and the totals once all are done) is rewritten
 atomically after every shard: a re-run skips the shards the manifest lists whose files still match their sha256, so
 an interrupted run resumes where it stopped. Used by ``scripts/pretokenize.py`` and the data=jsonl / data=hf caches
-(``training.data``); data=tokens reads the shards directly (``training.token_shards``).
+(``training.data.cache``); data=tokens reads the shards directly (``training.data.token_shards``).
 """
 
 from __future__ import annotations
@@ -24,94 +24,19 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from training.tokenizer import CHAT_ROLES, TOKENIZERS, QwenTokenizer
+from core.files import atomic_write_npy, atomic_write_text
+from training.data.chat import Doc, document, join_docs, jsonl_row
+from training.data.tokenizer import TOKENIZERS, QwenTokenizer
 
 MANIFEST = "manifest.json"
 _FORMAT = 2  # bump when the manifest or the shard layout changes (2: reader, row ranges)
-_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
-               bool: "a boolean", type(None): "null"}
-_MESSAGE = '{"role": ..., "content": ...}'
-
-Doc = tuple[list[int], list[bool]]  # token ids, loss mask (True = trained)
-
-
-def text_doc(tok: QwenTokenizer, text: str) -> Doc:
-    ids = tok.encode(text) + [tok.eos_id]
-    return ids, [True] * len(ids)
-
-
-def chat_doc(tok: QwenTokenizer, messages: list[dict]) -> Doc:
-    ids, mask = tok.render_chat(messages)
-    return ids + [tok.eos_id], mask + [False]
-
-
-def join_docs(docs: Iterable[Doc]) -> np.ndarray:
-    """[2, n] uint32: the documents' ids and trained masks, concatenated in order."""
-    ids: list[int] = []
-    mask: list[bool] = []
-    for doc_ids, doc_mask in docs:
-        ids += doc_ids
-        mask += doc_mask
-    return np.array([ids, mask], dtype=np.uint32).reshape(2, -1)
-
-
-def write_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` atomically as the .npy file ``path``."""
-    from training.checkpoint import atomic_write  # here, not at the top: the workers need no torch
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:  # a file object: np.save would append .npy to a path
-            np.save(f, array)
-
-    atomic_write(path, write)
-
-
-def _check_message(i: int, msg: object) -> None:
-    """Raise ValueError unless ``msg`` is {"role": one of CHAT_ROLES, "content": a string}."""
-    if not isinstance(msg, dict):
-        raise ValueError(f"messages[{i}] must be an object {_MESSAGE}, got "
-                         f"{_JSON_TYPES.get(type(msg), type(msg).__name__)}")
-    for key in ("role", "content"):
-        if key not in msg:
-            raise ValueError(f"messages[{i}] has no {key!r}; every message is an object {_MESSAGE} of strings")
-        if not isinstance(msg[key], str):
-            raise ValueError(f"messages[{i}].{key} must be a string, got "
-                             f"{_JSON_TYPES.get(type(msg[key]), type(msg[key]).__name__)}")
-    if msg["role"] not in CHAT_ROLES:
-        raise ValueError(f"messages[{i}].role {msg['role']!r} is unknown; use one of {', '.join(CHAT_ROLES)} "
-                         "(lowercase, the chat template's roles)")
-
-
-def checked_messages(messages: object, name: str = "'messages'") -> list[dict]:
-    """``messages`` if it is a non-empty list of {"role", "content"} strings; else ValueError says what is wrong."""
-    if not isinstance(messages, list) or not messages:
-        got = "an empty list" if messages == [] else _JSON_TYPES.get(type(messages), type(messages).__name__)
-        raise ValueError(f"{name} must be a non-empty list of {_MESSAGE} objects, got {got}")
-    for i, msg in enumerate(messages):
-        _check_message(i, msg)
-    return messages
-
-
-def jsonl_row(row: object) -> str | list[dict]:
-    """The text or the chat messages of one parsed jsonl row; ValueError says what is wrong and what is expected."""
-    if not isinstance(row, dict):
-        raise ValueError(f"expected a JSON object with a 'text' or a 'messages' field, got {_JSON_TYPES[type(row)]}")
-    if "text" in row and "messages" in row:
-        raise ValueError("the object has both 'text' and 'messages'; give one of them (a document or a chat)")
-    if "text" in row:
-        if not isinstance(row["text"], str):
-            raise ValueError(f"'text' must be a string, got {_JSON_TYPES[type(row['text'])]}")
-        return row["text"]
-    if "messages" in row:
-        return checked_messages(row["messages"])
-    raise ValueError(f"expected a 'text' or a 'messages' field, got fields {list(row)}")
 
 
 def jsonl_docs(path: Path, tok: QwenTokenizer, start: int = 0, stop: int | None = None,
@@ -140,11 +65,6 @@ def jsonl_docs(path: Path, tok: QwenTokenizer, start: int = 0, stop: int | None 
             except ValueError as e:
                 raise ValueError(f"{path} line {lineno}: {e}") from None
             yield document(tok, row)
-
-
-def document(tok: QwenTokenizer, row: str | list[dict]) -> Doc:
-    """A text (``jsonl_row``'s str) or a chat (its messages) as one document."""
-    return text_doc(tok, row) if isinstance(row, str) else chat_doc(tok, row)
 
 
 @dataclass
@@ -329,7 +249,6 @@ def _resumable(out_dir: Path, manifest: Manifest) -> dict[str, Shard]:
 
 
 def _write_manifest(out_dir: Path, manifest: Manifest) -> None:
-    from training.checkpoint import atomic_write_text  # here, not at the top: the workers need no torch
 
     if manifest.complete:
         manifest.totals = {k: sum(getattr(s, k) for s in manifest.shards)
@@ -370,7 +289,7 @@ def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, 
 
     def finish(result: tuple[dict, np.ndarray]) -> None:
         shard = Shard(**result[0])
-        write_npy(out_dir / shard.file, result[1])
+        atomic_write_npy(out_dir / shard.file, result[1])
         shard.sha256 = _file_sha256(out_dir / shard.file)
         manifest.shards[index[shard.file]] = shard
         _write_manifest(out_dir, manifest)

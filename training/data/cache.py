@@ -1,0 +1,93 @@
+"""The tokenized-corpus cache of data=chitchat / jsonl / hf: the whole corpus as one [2, N] (ids, loss mask) array,
+keyed by the files' contents, how they are read and the tokenizer, tokenized once per cache directory."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from core.files import atomic_write_npy
+from training.data.chat import chitchat_docs, join_docs
+from training.data.config import DataConfig, source_path
+from training.data.hf_datasets import hf_corpus
+from training.data.tokenize_shards import Corpus, JsonlCorpus, files_sha256, tokenize_to_shards
+from training.data.tokenizer import QwenTokenizer
+
+_CACHE_VERSION = 2  # bump when the rendering or the validation of documents changes (2: roles, field types)
+_TOKENIZE_WORKERS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+_CACHE_DOCS_PER_SHARD = 10_000  # jsonl documents per shard of the cache's tokenization (one process each)
+
+logger = logging.getLogger(__name__)
+
+
+def _corpus(cfg: DataConfig) -> Corpus | None:
+    """What ``training.data.tokenize_shards`` reads for jsonl and hf data (chitchat: None, it has its own reader)."""
+    if cfg.name == "hf":
+        return hf_corpus(cfg.path, cfg.column, cfg.cache_dir)
+    return JsonlCorpus(Path(cfg.path)) if cfg.name == "jsonl" else None
+
+
+def tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
+    """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache (keyed by the files' contents, how they
+    are read and the tokenizer) or tokenized and cached. jsonl and hf data are tokenized by
+    ``training.data.tokenize_shards`` over min(4, CPUs) processes into ``<cache>.shards/`` (an interrupted start-up
+    resumes there), then joined into the cache file; processes sharing the cache directory take turns (a file
+    lock), so the corpus is tokenized once."""
+    corpus = _corpus(cfg)
+    source_sha256 = files_sha256(corpus.files() if corpus else [source_path(cfg)])
+    reader = corpus.reader if corpus else cfg.name
+    digest = hashlib.sha256(f"{source_sha256}|v{_CACHE_VERSION}|{cfg.name}|{reader}|{tokenizer}".encode())
+    cache = Path(cfg.cache_dir) / f"{cfg.name}-{tokenizer}-{digest.hexdigest()[:16]}.npy"
+    if cache.exists():
+        return np.load(cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with _cache_lock(cache) as locked:
+        if cache.exists():  # another process tokenized it while this one waited
+            return np.load(cache)
+        if corpus is None:
+            stream = join_docs(chitchat_docs(source_path(cfg), QwenTokenizer(tokenizer)))
+        else:
+            shards = cache.with_name(cache.stem + ".shards")
+            start = time.monotonic()
+            manifest = tokenize_to_shards(corpus, shards, tokenizer, workers=_TOKENIZE_WORKERS,
+                                          docs_per_shard=_CACHE_DOCS_PER_SHARD, source_sha256=source_sha256)
+            stream = manifest.stream(shards)
+            logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", corpus.source,
+                        sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
+                        len(manifest.shards))
+        atomic_write_npy(cache, stream)
+        if corpus is not None and locked:  # unlocked, another process may still be writing shards there
+            shutil.rmtree(shards, ignore_errors=True)
+    return stream
+
+
+@contextlib.contextmanager
+def _cache_lock(cache: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on ``<cache>.lock`` (yields True), or yield False where the file system has none."""
+    with open(cache.with_name(cache.stem + ".lock"), "a") as f:
+        # a multiprocessing child (a worker re-running an unguarded script) must not wait for its parent's lock
+        # (_inheriting: multiprocessing's own mark of a spawned child importing its parent's __main__)
+        child = multiprocessing.parent_process() is not None or getattr(multiprocessing.current_process(),
+                                                                         "_inheriting", False)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (fcntl.LOCK_NB if child else 0))
+        except BlockingIOError:
+            raise RuntimeError(f"{cache} is being tokenized by this process's parent: a script that builds the data "
+                               "loader must guard its code with `if __name__ == \"__main__\":`") from None
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,220 @@
+"""The loader: a dp rank's endless packed batches, in an order that does not depend on the layout.
+
+Every document is tokenized, followed by <|endoftext|>, and concatenated into one stream of ids with a
+parallel loss mask. The stream is cut into non-overlapping windows of seq_len + 1 tokens (the tail is
+dropped). Window order is a per-epoch permutation fixed by the seed. Global micro-batch k is windows
+[k*g, (k+1)*g) of that order, with g = local_batch_size * dp_size, and dp rank r takes the contiguous
+rows [r*local_batch_size, (r+1)*local_batch_size), so batches do not depend on the parallel layout.
+
+Pre-tokenized data (``data=tokens``) may be many shards (``training.data.token_shards``: one memory-mapped stream) and a
+mixture of sources (``data.sources``): then slot j of global batch n comes from the source drawn for it by
+``np.random.default_rng([seed, n])`` with the sources' weights, and each source hands out its windows, slot by slot,
+from its own seeded per-epoch order with its own epoch and position. The draw depends on (seed, n) only, so a
+mixture's batches, too, do not depend on the parallel layout.
+
+Validation (``data.val_fraction``): the last fraction of each source's tokens, from the first document start at or
+after the cut, is held out; its windows, in order (source after source), make the fixed validation batches
+(``ValidationSet``), cut like the training batches into dp ranks' rows, so their loss does not depend on the layout.
+
+Packed documents (``data.document_mask``): position ids restart at each document start (after <|endoftext|>), which
+tells the model to keep attention and DeltaNet within documents (``models.layers.document_ids``). Under context
+parallelism the cp ranks of a dp slice read the same rows, each keeping its contiguous 1/cp (``context_shard``).
+
+Letters as in DEVELOPERS.md: B the local batch, T seq_len, T1 = seq_len + 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.data.cache import tokenized_stream
+from training.data.config import (DataConfig, SourceConfig, source_names, source_path, token_paths,
+                                  validate_data_config)
+from training.data.packing import Source, hold_out, packed_batch
+from training.data.token_shards import WindowOrder, load_token_stream
+from training.data.tokenizer import TOKENIZERS, QwenTokenizer, special_tokens
+from training.data.validation import ValidationSet
+
+
+class PackedLoader:
+    """Endless iterator of packed batches for one dp rank; see the module docstring for the order."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        *,
+        seq_len: int,
+        vocab_size: int,
+        seed: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        eos_id: int | None = None,
+    ) -> None:
+        self._sources = sources
+        self._eos_id = eos_id  # None: position ids 0..T-1 in every window, else restarting after each eos
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self._seed = seed
+        self._local_batch = local_batch_size
+        self._rank_offset = dp_rank * local_batch_size
+        self._global_batch = local_batch_size * dp_size
+        mixture = len(sources) > 1
+        self._orders = [WindowOrder(len(src.ids) // (seq_len + 1), (seed, i) if mixture else (seed,))
+                        for i, src in enumerate(sources)]
+        for src, order in zip(sources, self._orders):
+            if order.num_windows < self._global_batch:
+                what = f"source {src.name!r} of data.sources" if mixture else "corpus"
+                raise ValueError(
+                    f"{what} too small: {len(src.ids)} tokens make {order.num_windows} windows of "
+                    f"data.seq_len={seq_len} (+1), fewer than one global batch of {self._global_batch}; lower "
+                    "data.seq_len or the batch size"
+                )
+        self.num_windows = sum(order.num_windows for order in self._orders)
+        self.validation: ValidationSet | None = None  # the held-out data (build_data_loader, data.val_fraction)
+        weights = np.array([src.weight for src in sources], dtype=np.float64)
+        self._p = weights / weights.sum()
+        self._drawn = 0  # windows of all global batches so far (a mixture's position)
+        self._windows = [0] * len(sources)  # per source: windows of all global batches so far
+
+    @property
+    def epoch(self) -> int:
+        """The single source's epoch; a mixture has none of its own (0): its sources' are in state_dict."""
+        return self._orders[0].epoch if len(self._orders) == 1 else 0
+
+    @property
+    def position(self) -> int:
+        """The single source's index in its epoch's order; a mixture's windows drawn so far (n x global batch)."""
+        return self._orders[0].position if len(self._orders) == 1 else self._drawn
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def _global_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """Source and window of each slot of the next global batch; advances every source's order."""
+        g = self._global_batch
+        if len(self._orders) == 1:
+            source_G, window_G = np.zeros(g, dtype=np.int64), self._orders[0].take(g)
+        else:
+            source_G = np.random.default_rng([self._seed, self._drawn // g]).choice(len(self._orders), size=g,
+                                                                                   p=self._p)
+            window_G = np.empty(g, dtype=np.int64)
+            for s, order in enumerate(self._orders):
+                at = source_G == s
+                window_G[at] = order.take(int(at.sum()))
+        for s in range(len(self._orders)):
+            self._windows[s] += int((source_G == s).sum())
+        self._drawn += g
+        return source_G, window_G
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        source_G, window_G = self._global_slots()
+        rows = slice(self._rank_offset, self._rank_offset + self._local_batch)
+        return packed_batch(self._sources, source_G[rows], window_G[rows], self.seq_len, self._eos_id)
+
+    def mixture_metrics(self) -> dict[str, float]:
+        """Realised share of each source's windows over all global batches so far ({} without a mixture)."""
+        if len(self._sources) == 1 or not self._drawn:
+            return {}
+        return {f"data/share/{src.name}": n / self._drawn for src, n in zip(self._sources, self._windows)}
+
+    def state_dict(self) -> dict:
+        """{"epoch", "position"}; a mixture adds "sources": {name: {"epoch", "position", "windows"}}."""
+        state: dict = {"epoch": self.epoch, "position": self.position}
+        if len(self._sources) > 1:
+            state["sources"] = {src.name: {"epoch": order.epoch, "position": order.position, "windows": n}
+                                for src, order, n in zip(self._sources, self._orders, self._windows)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        names = [src.name for src in self._sources]
+        saved = sorted(state.get("sources", {}))
+        if (len(names) > 1 and saved != sorted(names)) or (len(names) == 1 and saved):
+            raise ValueError(f"the checkpoint's data loader state has the sources {saved or 'of one data.path'}, "
+                             f"and this run reads {sorted(names) if len(names) > 1 else 'one data.path'}; resume "
+                             "with the checkpointed run's data.path / data.sources")
+        if len(names) == 1:
+            self._orders[0].epoch, self._orders[0].position = int(state["epoch"]), int(state["position"])
+            return
+        self._drawn = int(state["position"])
+        for s, (name, order) in enumerate(zip(names, self._orders)):
+            source = state["sources"][name]
+            order.epoch, order.position = int(source["epoch"]), int(source["position"])
+            self._windows[s] = int(source["windows"])
+
+
+def _check_trained_tokens(cfg: DataConfig, path: str | Path, mask: np.ndarray) -> None:
+    """Raise ValueError if the tokenized corpus (fresh or cached), under ``data.mask_non_assistant``, trains nothing."""
+    if mask.size == 0:
+        raise ValueError(f"data.path={path} holds no documents (e.g. a jsonl file of blank lines); add documents or "
+                         "point data.path at the right file")
+    if cfg.mask_non_assistant and not mask.any():
+        raise ValueError(f"data.path={path}: no assistant message anywhere: with data.mask_non_assistant=true nothing "
+                         "would be trained; add assistant turns or set data.mask_non_assistant=false")
+
+
+def _token_sources(cfg: DataConfig, tokenizer: str | None) -> tuple[list[Source], int, int | None]:
+    """data=tokens: each source's shards, the vocabulary size they need and the id ending documents (data.eos_id,
+    else the <|endoftext|> of the tokenizer their manifest names)."""
+    sources, vocab_size, tokenized_by = [], 0, {}
+    configs = cfg.sources or [SourceConfig(path=cfg.path)]
+    for (key, path), name, src in zip(token_paths(cfg), source_names(configs), configs):
+        data = load_token_stream(path, cfg.bin_dtype, cfg.cache_dir, key)
+        if cfg.mask_non_assistant and data.mask is None:
+            raise ValueError(f"data.mask_non_assistant=true needs a loss mask, and {key}={path} holds plain ids; "
+                             "tokenize chat data with scripts/pretokenize.py (its shards carry the mask) or set "
+                             "data.mask_non_assistant=false")
+        if data.tokenizer is not None:
+            if tokenizer is not None and data.tokenizer != tokenizer:
+                raise ValueError(f"{key}={path} was tokenized with {data.tokenizer} (its manifest.json) and the "
+                                 f"model's tokenizer is {tokenizer}: set model.tokenizer={data.tokenizer} or "
+                                 f"re-tokenize with scripts/pretokenize.py --tokenizer {tokenizer}")
+            tokenized_by[key] = data.tokenizer
+        sources.append(Source(name, data.ids, data.mask if cfg.mask_non_assistant else None, src.weight))
+        vocab_size = max(vocab_size, data.vocab_size)
+    if len(set(tokenized_by.values())) > 1:
+        raise ValueError(f"data.sources were tokenized with different tokenizers ({tokenized_by}); mix sources of "
+                         "one vocabulary")
+    eos_id = cfg.eos_id
+    if eos_id is None and tokenized_by:
+        eos_id = special_tokens(next(iter(tokenized_by.values())))["<|endoftext|>"]
+    return sources, vocab_size, eos_id
+
+
+def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int,
+                      tokenizer: str | None = "qwen3") -> PackedLoader:
+    """Validate ``cfg``, load (tokenizing with ``tokenizer``, the model's, and caching on first use) the corpus, and
+    return dp rank's loader; with ``data.val_fraction``, its ``validation`` holds the held-out part (else None).
+    ``tokenizer`` (a training.data.tokenizer vocabulary) is unused by pre-tokenized data."""
+    validate_data_config(cfg)
+    if cfg.name != "tokens" and tokenizer not in TOKENIZERS:
+        raise ValueError(f"data.name={cfg.name} tokenizes its text with the model's tokenizer, and model.tokenizer "
+                         f"gives {tokenizer!r}: choose one of {', '.join(TOKENIZERS)} (or pre-tokenized data=tokens)")
+    if local_batch_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need local_batch_size > 0 and 0 <= dp_rank < dp_size, got "
+                         f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
+    if cfg.name == "tokens":
+        sources, vocab_size, eos_id = _token_sources(cfg, tokenizer)
+    else:
+        ids, mask = tokenized_stream(cfg, tokenizer)
+        _check_trained_tokens(cfg, cfg.path or source_path(cfg), mask)
+        sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None)]
+        tok = QwenTokenizer(tokenizer)
+        vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
+    doc_eos_id = eos_id if cfg.document_mask else None  # what restarts position ids
+    validation = None
+    if cfg.val_fraction:
+        if eos_id is None:
+            raise ValueError("data.val_fraction holds out whole documents, and data=tokens knows none without "
+                             "data.eos_id: set data.eos_id (the id that ends a document)")
+        sources, held_out = zip(*(hold_out(src, cfg.val_fraction, eos_id) for src in sources))
+        validation = ValidationSet(list(held_out), seq_len=cfg.seq_len, eos_id=doc_eos_id,
+                                   local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    loader = PackedLoader(list(sources), seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
+                          local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                          eos_id=doc_eos_id)
+    loader.validation = validation
+    return loader
