@@ -29,7 +29,8 @@ import parallelisms
 from core import device
 from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
-from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
+from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
+                          read_hf_config)
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (load_checkpoint, read_train_state, resolve_resume, rng_state, save_checkpoint,
                                  save_model_weights, set_rng_state)
@@ -211,6 +212,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, A
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
     if cfg.checkpoint.export_hf_at_end:
         check_export_requirements(cfg, tokenizer, model_args.vocab_size)
+        if cfg.train.output_dir is not None:  # Hydra's own run directory is new: it holds no hf/ yet
+            check_export_dir(Path(cfg.train.output_dir) / "hf")  # checked before any step is trained
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     return spec, model_args, tokenizer
