@@ -277,17 +277,14 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     optimizer = build_optimizer(model, cfg.optim)
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
                                dp_rank=dims.dp_rank, dp_size=dims.dp,
-                               tokenizer=tokenizer)
+                               tokenizer=tokenizer, model_vocab_size=model_args.vocab_size)
     # The held-out batches, cp-sharded once: every eval step reads the same ones.
     val_batches = ([context_shard(b, dims.cp_rank, dims.cp) for b in loader.validation.batches(cfg.train.eval_batches)]
                    if cfg.train.eval_every else [])
-    if loader.vocab_size > model_args.vocab_size:  # pre-tokenized ids (tokenized data was checked at start-up)
-        raise ValueError(f"data ids reach {loader.vocab_size - 1} but model.arch.vocab_size={model_args.vocab_size}; "
-                         "use a model whose vocabulary covers the data's ids")
     first_step, position = 1, 0
     if state is not None:
         load_checkpoint(resume_from, model, optimizer, state.get("files"))
-        loader.load_state_dict(state["loader"])
+        loader.load_state_dict(state["loader"], cfg.train.allow_changes)
         set_rng_state(state["rng"], dev_type)
         first_step, position = state["step"] + 1, state["scheduler"]["last_epoch"]
         if dims.rank == 0:

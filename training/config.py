@@ -211,6 +211,7 @@ def _check_schedule(o: OptimConfig, steps: int) -> None:
 # to resume unless train.allow_changes names it.
 _EXECUTION_KEYS = ("parallel", "dispatcher", "kernel_config", "launch", "logging", "checkpoint", "model.name",
                    "model.init_from", "data.cache_dir", "train.resume", "train.allow_changes", "train.output_dir",
+                   "data.allow_special_only",  # only whether such a corpus is refused: the data itself is compared
                    "train.device", "train.mixed_precision", "train.gc_every", "train.save_final", "train.nonfinite",
                    "train.local_batch_size", "train.grad_accum_steps",
                    # like mixed_precision: how the same weights are computed, not what is trained
