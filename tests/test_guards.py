@@ -27,6 +27,7 @@ from training.data.cache import tokenized_corpus
 from training.data.config import DataConfig, validate_data_config
 from training.data.loader import build_data_loader
 from training.data.tokenize_shards import tokenize_to_shards
+from training.data.tokenizer import bpe_ranks, special_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -239,3 +240,9 @@ def test_a_corpus_of_special_tokens_only_is_refused_with_the_key_to_accept_it(tm
 def test_allow_special_only_is_for_text_data():
     with pytest.raises(ValueError, match=r"data.allow_special_only=true .* data=tokens is not checked"):
         validate_data_config(DataConfig(name="tokens", path="x.npy", allow_special_only=True))
+
+
+@pytest.mark.parametrize("tokenizer", ["qwen3", "qwen3_5"])
+def test_special_tokens_are_the_ids_after_the_bpe_ids(tokenizer):
+    """The special-token share counts ids >= the first special id: exact only if no BPE id comes after it."""
+    assert sorted(special_tokens(tokenizer).values())[0] == max(bpe_ranks(tokenizer).values()) + 1
