@@ -465,7 +465,8 @@ def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str
     """Write full tensors in our names as a directory ``transformers.AutoModelForCausalLM.from_pretrained``
     loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
     it (default: keep the state dict's), one tensor at a time. ``extra_files(tmp)``, if given, is called with
-    the temporary directory once the weights and config.json are in it, before it replaces ``out_dir``: it may
+    the temporary directory once the weights and config.json are in it, before it replaces ``out_dir`` (new, empty or
+    an earlier export: ``check_export_dir``): it may
     add files (the tokenizer's) or rewrite config.json. The model's buffers in ``state_dict`` (the routers'
     aux-loss-free balancing biases: a training device transformers' routers do not have) are left out."""
     with torch.device("meta"):
