@@ -1,15 +1,17 @@
 """The docs cannot drift from the code: every Hydra override in a command of a fenced shell block of README.md,
-DEVELOPERS.md and docs/*.md composes against conf/ (and passes ``training.config.validate``), every relative link
-resolves (its ``#anchor`` to a heading), and every key of the schema is in docs/configuration.md.
+DEVELOPERS.md and docs/*.md composes against conf/ and passes train.py's checks that need no files, every relative
+link resolves (its ``#anchor`` to a heading), and every key of the schema is in docs/configuration.md.
 
 Which commands: a line (backslash continuations joined, ``&&`` / ``;`` / ``|`` / ``&`` splitting it) whose command
 word is ``python``/``python3``/``torchrun`` running ``train.py``, ``scripts/plan.py`` or ``scripts/bench.py``, or
 ``sbatch``/``bash``/``srun`` (or the script itself) running a ``scripts/slurm/`` script; its overrides are the
 ``key=value`` tokens after the script. ``NAME=value`` assignments earlier in the block are expanded (``$NAME``).
 Placeholders: a bare ``...`` or any token without ``=`` is not an override (flags, paths); a value with ``<...>``,
-``$`` or ``...`` in it is a placeholder, so only its key is checked. Under ``-m`` every sweep value is composed.
-``plan.*`` goes to scripts/plan.py's ``PlanConfig``. Validation runs what needs no files, GPU or world size: a
-``FileNotFoundError`` (the docs name files that exist on the reader's machine) passes, any other error fails.
+``$`` or ``...`` in it is a placeholder, so only its key is checked (and the command is composed, not validated).
+Under ``-m`` every sweep value is composed. ``plan.*`` goes to scripts/plan.py's ``PlanConfig``; a bench.py
+command's grid cells are built by bench.py itself. Validation: ``training.config.validate`` (a ``FileNotFoundError``
+passes: the docs name files on the reader's machine), the preset's architecture (``model.arch.*``), and the layout
+against the world size where the command states one (torchrun's, ``launch.nproc_per_node``, ``plan.gpus``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import parallelisms
 import train
 from tests.conftest import CONF_DIR, REPO
 from training.config import TrainConfig, register_schema, to_train_config, validate
-from training.data.config import DataConfig
 from training.planner import PlanConfig
 
 DOC_FILES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -203,7 +204,9 @@ def _validate(cfg: TrainConfig, world: int | None) -> None:
     try:
         validate(cfg)
     except FileNotFoundError:  # a file on the reader's machine (my_chats.jsonl, /data/...): the data keys are right
-        validate(dataclasses.replace(cfg, data=DataConfig(seq_len=cfg.data.seq_len)))  # the checks after the files
+        # The data's own checks ran before its files'; the rest of validate runs on the bundled corpus instead.
+        bundled = dataclasses.replace(cfg.data, name="chitchat", path=None, sources=None, column=None, eos_id=None)
+        validate(dataclasses.replace(cfg, data=bundled))
     if cfg.model.init_from is not None:  # the architecture is the directory's config.json
         return
     spec, args = train.resolve_model(cfg)
