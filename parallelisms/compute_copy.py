@@ -16,7 +16,6 @@ activation checkpointing) reads the same copy.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,15 +26,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
-# Optimizer steps taken in this process (any optimizer: a step of an unrelated one costs a re-cast, never a stale
-# copy). Process-wide, registered at import, as a parameter change that bumps no version counter must be seen.
-_optimizer_steps = itertools.count(1)
+# Optimizer steps taken in this process, by any optimizer (an unrelated one's step costs a re-cast, never a stale
+# copy): process-wide and registered at import, as every optimizer's step must be seen.
 _generation = 0
 
 
 def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     global _generation
-    _generation = next(_optimizer_steps)
+    _generation += 1
 
 
 register_optimizer_step_post_hook(_count_step)

@@ -6,6 +6,7 @@ the autocast path it replaces, the same curve to within bf16 round-off."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 import models
 from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, clip_grad_norm_, parallelize_model
 from parallelisms import compute_copy, parallelize
+from parallelisms.compile import apply_compile
 from parallelisms.dims import ParallelDims, _build_meshes, resolve_sizes
 from tests.dist_utils import (debug_model_args, load_full_weights, loss_share, run_distributed,
                               seeded_weights, synthetic_batches, train_steps)
@@ -184,3 +186,22 @@ def test_bf16_follows_the_autocast_path_it_replaces():
     history = train_steps(model, dims, tokens, micro_batches=2, fused=True)
     for got, want in zip(history, autocast):
         assert got["loss"] == pytest.approx(want["loss"], rel=2e-3), got["step"]
+
+
+def test_compiled_blocks_read_the_same_copies(monkeypatch):
+    """train.compile: the compiled pieces of each block read the compute copies the block's hook sets (instance
+    attributes, traced as graph inputs with no recompile per step) and train as the eager ones do."""
+    monkeypatch.setattr(parallelize, "apply_compile", functools.partial(apply_compile, backend="aot_eager"))
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # new copies each step: no new graph
+    tokens = synthetic_batches(2, BATCH, SEQ, debug_model_args().vocab_size)
+    weights = seeded_weights(debug_model_args())
+    dims = build_parallel_dims(SINGLE, 1, 0, "cpu")
+    runs = []
+    for compile_blocks in (False, True):
+        with torch.device("meta"):
+            model = SPEC.model_cls(debug_model_args())
+        parallelize_model(model, SPEC, dims, SINGLE, BF16, torch.float32, compile_blocks=compile_blocks)
+        model.to_empty(device="cpu")
+        load_full_weights(model, weights)
+        runs.append(train_steps(model, dims, tokens, micro_batches=2, fused=True))
+    assert runs[1] == runs[0]
