@@ -121,8 +121,8 @@ def _worker(rank: int, world_size: int, weights, tokens, root: str) -> dict:
                 history = train_steps(model, dims, tokens, micro_batches=micro_batches, fused=True)
             out[case, fsdp] = history, _full(model.state_dict())
             if case == "bf16_full_ac" and not fsdp:
-                out["casts"] = sorted(casts[model.get_parameter(f"model.layers.{i}.mlp.experts.{name}").to_local().data_ptr()]
-                                      for i in range(len(model.model.layers)) for name in ("gate_up_proj", "down_proj"))
+                expert_params = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+                out["casts"] = sorted(casts[p.to_local().data_ptr()] for p in expert_params)
             casts.clear()
 
     # Checkpoints across the paths: new saves after 2 steps, old resumes, steps and saves, new loads that.
