@@ -298,8 +298,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         atomic_write_text(run_dir / "config.yaml", rerunnable_config(run_config))
     metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0,
                                  keep_until=first_step - 1 if state is not None else None, run_config=run_config)
-    # Autocast only where FSDP's mixed-precision policy does not already cast the parameters.
-    autocast = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16 and cfg.parallel.backend.name != "fsdp2")
+    # Autocast only under DDP: FSDP's mixed-precision policy (or in one process its stand-in) casts the parameters.
+    autocast = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16 and cfg.parallel.backend.name == "ddp")
     flops_per_token = model_args.flops_per_token(cfg.data.seq_len)
     peak_flops = device.peak_tflops(dev_type)
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
