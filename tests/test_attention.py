@@ -22,6 +22,7 @@ from kernels.config import KernelConfig, validate_kernel_config
 from kernels.registry import CUDA_ATTENTION, Env, select_kernels
 from models.layers import document_ids
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from training.metrics import attended_flops_per_token
 
 # Row 0: one-token documents, documents crossing the 128-token block boundaries (127 | 130 | ...), a short tail;
 # row 1: one document (a window that is one document, in a packed batch).
@@ -297,3 +298,23 @@ def test_mask_dtype_sanity() -> None:
     v = torch.arange(3.0).view(1, 1, 3, 1).expand(1, 1, 3, 4)
     out = DenseMaskAttention()(q, q, v, docs, 1.0)
     assert out[0, 0, :, 0].tolist() == [0.0, 0.5, 2.0]  # uniform over each query's own document so far
+
+
+# --- accounting ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attended_flops_count_each_documents_causal_half(family: str) -> None:
+    args = models.build_args(family, FAMILIES[family])
+    base = args.flops_per_token(0)
+    attention_layers = {"qwen3_moe": 2, "qwen3_5_moe": 1}[family]  # Qwen3.5: every 2nd layer; DeltaNet is in base
+    per_pair = 12 * attention_layers * args.num_attention_heads * args.head_dim  # scores and values, fwd + bwd
+    assert args.flops_per_token(1) - base == per_pair
+    # lengths 3, 1 | 4: (9 + 1 + 16) / 2 attended pairs over 8 tokens
+    got = attended_flops_per_token(args, position_ids([[3, 1], [4]]))
+    assert got == pytest.approx(base + per_pair * 26 / 2 / 8)
+    # A 32k window of 2,048-token documents attends 1/16 of one causal 32k sequence's pairs, which is half of what
+    # the headline flops_per_token counts (torchtitan's convention: no causal halving).
+    packed = attended_flops_per_token(args, position_ids([[2048] * 16]))
+    causal = attended_flops_per_token(args, torch.arange(32768)[None])
+    assert (packed - base) * 16 == pytest.approx(causal - base)
+    assert (causal - base) * 2 == pytest.approx(args.flops_per_token(32768) - base)
