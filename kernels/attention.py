@@ -135,7 +135,8 @@ class FlexAttention(DenseMaskAttention):
             return causal_sdpa(q_BHTd, k_BhTd, v_BhTd, scale)
         from torch.nn.attention.flex_attention import flex_attention
 
-        flex = _compiled_flex() if self.compiled else flex_attention
+        # Inside a compiled block (train.compile) the block's own compilation takes the flex call in.
+        flex = _compiled_flex() if self.compiled and not torch.compiler.is_compiling() else flex_attention
         return flex(q_BHTd, k_BhTd, v_BhTd, block_mask=docs.block_mask, scale=scale,
                     enable_gqa=k_BhTd.shape[1] != q_BHTd.shape[1])
 

@@ -3,8 +3,8 @@
     python scripts/check_kernels.py [--kernels auto,flash-linear-attention] [--chunk-size 64] [--device auto]
 
 Packed-document attention: every implementation that can run (flex_attention, varlen_attn), not only the chosen
-one, against the dense-mask reference on 2 x 4096 tokens of mixed-length documents (1 to 1500, one-token ones
-among them), then one timing line per implementation on one 32,768-token window of 2,048-token documents (32
+one, against the dense-mask reference on 4096-token rows of mixed-length documents (1 to 1500, one-token ones
+among them; Qwen3's heads of 128 and Qwen3.5's of 256), then one timing line per implementation on one 32,768-token window of 2,048-token documents (32
 query / 4 kv heads of 128, bf16, forward + backward; the documents built outside the timed region, as the decoder
 builds them once per batch), beside causal SDPA on the same window as one sequence (16x the attended pairs).
 
@@ -203,27 +203,33 @@ def _document_ids(lengths: torch.Tensor, T: int) -> torch.Tensor:
     return torch.searchsorted(ends[ends < T], torch.arange(T, device=lengths.device), right=True)
 
 
-def _attention_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int, mixed: bool) -> Inputs:
-    """q [B, 32, T, 128], k and v [B, 4, T, 128]; documents of 1 to 1500 tokens (every 7th of one token) or of
-    2,048."""
+def _attention_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int, mixed: bool,
+                      heads: tuple[int, int, int] = (ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_DIM)) -> Inputs:
+    """q [B, H, T, d], k and v [B, h, T, d] for ``heads`` (H, h, d); documents of 1 to 1500 tokens (every 7th of
+    one token) or of 2,048."""
     if mixed:
         lengths = torch.randint(1, 1500, (B, T), generator=gen, device=dev)
         lengths[:, ::7] = 1
         ids_BT = torch.stack([_document_ids(row, T) for row in lengths])
     else:
         ids_BT = (torch.arange(T, device=dev) // 2048).expand(B, T)
-    H, h, d = ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_DIM
+    H, h, d = heads
     return {"q": _randn(gen, dev, B, H, T, d), "k": _randn(gen, dev, B, h, T, d), "v": _randn(gen, dev, B, h, T, d),
             "ids": ids_BT}
 
 
 def _attention_call(fn: Callable, t: Inputs) -> torch.Tensor:
-    return fn(t["q"], t["k"], t["v"], fn.documents(t["ids"]), ATTENTION_DIM**-0.5)
+    return fn(t["q"], t["k"], t["v"], fn.documents(t["ids"]), t["q"].shape[-1]**-0.5)
 
 
-ATTENTION_CASE = Case("qwen3 32/4 x 128, 2 x 4096 mixed docs",
-                      lambda gen, dev: _attention_inputs(gen, dev, 2, 4096, mixed=True), _attention_call,
-                      TOL_ELEMENTWISE)
+ATTENTION_CASES = [
+    Case("qwen3 32/4 x 128, 2 x 4096 mixed docs", lambda gen, dev: _attention_inputs(gen, dev, 2, 4096, mixed=True),
+         _attention_call, TOL_ELEMENTWISE),
+    # Qwen3.5-35B-A3B's full-attention heads of 256 (the kernels' largest head dim)
+    Case("qwen3.5 16/2 x 256, 4096 mixed docs",
+         lambda gen, dev: _attention_inputs(gen, dev, 1, 4096, mixed=True, heads=(16, 2, 256)), _attention_call,
+         TOL_ELEMENTWISE),
+]
 
 
 def check_attention(dev: torch.device, cfg: KernelConfig) -> list[str]:
@@ -236,10 +242,11 @@ def check_attention(dev: torch.device, cfg: KernelConfig) -> list[str]:
         except ValueError as error:
             print(f"  document_attention {name}: skipped: {error}")
             continue
-        if not check_case(f"document_attention {name}", kernel, DenseMaskAttention(), ATTENTION_CASE, dev):
-            failed.append(f"document_attention {name}")
+        for case in ATTENTION_CASES:
+            if not check_case(f"document_attention {name}", kernel, DenseMaskAttention(), case, dev):
+                failed.append(f"document_attention {name} [{case.name}]")
+            device.module(dev.type).empty_cache()
         timed[name] = kernel
-        device.module(dev.type).empty_cache()
     gen = torch.Generator(device=dev).manual_seed(0)
     t = _attention_inputs(gen, dev, 1, 32768, mixed=False)
     q, k, v = (t[x].requires_grad_() for x in "qkv")
