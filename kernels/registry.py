@@ -4,9 +4,9 @@ takes the best that can run; a plugin named explicitly (flash-linear-attention),
 op's own key (``kernel_config.attention``), must run, or selection fails.
 
 Two kinds of op, chosen alike: those the models call through a kernel slot (see ``models/layers.py``: norms,
-activations, rotary, the cross-entropy step, the delta rule, packed-document attention), and those the dispatch path's kernel functions call
-(``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``), which EP dispatchers and the
-experts use without ever checking the device.
+activations, rotary, the cross-entropy step, the delta rule, packed-document attention), and those the dispatch
+path's kernel functions call (``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``),
+which EP dispatchers and the experts use without ever checking the device.
 
 ``select_kernels(cfg, device_type)`` chooses one implementation per op and records why (``Kernels.log``: one line
 per op at start-up); ``apply_kernels(model, kernels)`` installs the choices: into every module's kernel slots, and

@@ -31,8 +31,9 @@ from kernels.norm import rms_norm
 from kernels.rotary import apply_rotary, rotate_half
 from kernels.swiglu import packed_swiglu, swiglu
 
+# The references too: the families' slot defaults.
 __all__ = ["DenseMaskAttention", "Documents", "RMSNorm", "apply_rotary", "document_cu_seqlens", "document_ids",
-           "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]  # the references too: the families' slot defaults
+           "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]
 
 
 class RMSNorm(nn.Module):

@@ -4,9 +4,10 @@
 
 Packed-document attention: every implementation that can run (flex_attention, varlen_attn), not only the chosen
 one, against the dense-mask reference on 4096-token rows of mixed-length documents (1 to 1500, one-token ones
-among them; Qwen3's heads of 128 and Qwen3.5's of 256), then one timing line per implementation on one 32,768-token window of 2,048-token documents (32
-query / 4 kv heads of 128, bf16, forward + backward; the documents built outside the timed region, as the decoder
-builds them once per batch), beside causal SDPA on the same window as one sequence (16x the attended pairs).
+among them; Qwen3's heads of 128 and Qwen3.5's of 256), then one timing line per implementation on one
+32,768-token window of 2,048-token documents (32 query / 4 kv heads of 128, bf16, forward + backward; the documents
+built outside the timed region, as the decoder builds them once per batch), beside causal SDPA on the same window
+as one sequence (16x the attended pairs).
 
 Shapes: Qwen3.5-35B-A3B (hidden 2048, DeltaNet 16 k-heads x 128 and 32 v-heads x 128, attention heads of 256 with
 64 rotary channels, shared expert 512) and Qwen3-30B-A3B (heads of 128; 128 experts top-8 of intermediate 768,

@@ -81,7 +81,9 @@ def each_document_alone(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [out.detach(), *(x.grad for x in leaves)]
 
 
-IMPLS = {"flex_attention": lambda: FlexAttention(compiled=False), "varlen_attn": lambda: VarlenAttention(per_document_sdpa)}
+# Each kernel as the CPU runs it: FlexAttention eagerly, the varlen wrapper around the per-document stand-in.
+IMPLS = {"flex_attention": lambda: FlexAttention(compiled=False),
+         "varlen_attn": lambda: VarlenAttention(per_document_sdpa)}
 
 
 @pytest.mark.parametrize("name", IMPLS)
@@ -253,8 +255,12 @@ def test_unpacked_rows_build_no_documents() -> None:
 HOPPER = Env("cuda", triton_version="3.6.0", capability=(9, 0))
 
 
+def _choose(cfg: KernelConfig, env: Env = HOPPER):
+    return select_kernels(cfg, env.device_type, env).choices["document_attention"]
+
+
 def test_cuda_default_and_named_choices() -> None:
-    choose = lambda cfg, env=HOPPER: select_kernels(cfg, env.device_type, env).choices["document_attention"]  # noqa: E731
+    choose = _choose
     assert choose(KernelConfig()).impl == CUDA_ATTENTION == "flex_attention"
     assert choose(KernelConfig(attention="varlen_attn")).impl == "varlen_attn"
     assert choose(KernelConfig(attention="torch")).impl == "torch"
