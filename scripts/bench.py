@@ -51,18 +51,20 @@ def document_lengths(spec: str, total: int, seed: int) -> np.ndarray:
     raise SystemExit(f"--docs {spec!r}: expected none, fixed:N, lognormal:MEDIAN,SIGMA or chitchat")
 
 
-def write_tokens(args: argparse.Namespace, path: Path) -> list[str]:
-    """Random token ids for every step (documents ended by --vocab unless --docs none); the data overrides."""
+def write_tokens(args: argparse.Namespace, path: Path) -> None:
+    """Random token ids for every step, documents ended by --vocab unless --docs none."""
     need = args.steps * args.local_batch * args.nproc * (args.seq_len + 1) * 2
-    rng = np.random.default_rng(args.seed)
-    ids = rng.integers(0, args.vocab, size=need, dtype=np.int64)
-    overrides = ["data=tokens", f"data.path={path}"]
+    ids = np.random.default_rng(args.seed).integers(0, args.vocab, size=need, dtype=np.int64)
     if args.docs != "none":
         ends = document_lengths(args.docs, need, args.seed).cumsum() - 1  # a document's last token is its EOS
         ids[ends[ends < need]] = args.vocab
-        overrides.append(f"data.eos_id={args.vocab}")
     np.save(path, ids)
-    return overrides
+
+
+def data_overrides(args: argparse.Namespace, tokens: Path) -> list[str]:
+    if args.docs == "chitchat":
+        return ["data=chitchat"]
+    return ["data=tokens", f"data.path={tokens}", *([f"data.eos_id={args.vocab}"] if args.docs != "none" else [])]
 
 
 def disk_line(when: str, out: Path) -> str:
@@ -75,14 +77,19 @@ def disk_line(when: str, out: Path) -> str:
     return f"disk at {when}: " + "; ".join(parts)
 
 
-def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, data: list[str]) -> dict:
+def cell_overrides(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> list[str]:
+    """The train.py overrides of one grid cell (tests/test_docs.py composes the documented bench commands' cells)."""
+    return [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
+            f"dispatcher={dispatcher}", *data_overrides(args, tokens), f"data.seq_len={args.seq_len}",
+            f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
+            f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
+            "train.save_final=false", "logging.tensorboard=false", f"logging.profile_step={args.profile_step}",
+            "logging.profile_steps=1", *args.extra]
+
+
+def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
     cell_dir = out / f"{layout}-{dispatcher}"
-    overrides = [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
-                 f"dispatcher={dispatcher}", *data, f"data.seq_len={args.seq_len}",
-                 f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
-                 f"train.steps={args.steps}", f"train.output_dir={cell_dir}", "train.save_final=false",
-                 "logging.tensorboard=false", f"logging.profile_step={args.profile_step}", "logging.profile_steps=1",
-                 *args.extra]
+    overrides = cell_overrides(args, layout, dispatcher, out, tokens)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
                 if args.nproc > 1 else [sys.executable])
     summary = cell_dir / "profile" / "summary_rank0.md"
@@ -106,7 +113,7 @@ def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, 
             "data_share": mean("data_share")}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3_moe_30b_a3b")
     parser.add_argument("--layers", type=int, default=8)
@@ -125,11 +132,17 @@ def main() -> None:
                         help="none | fixed:N | lognormal:MEDIAN,SIGMA | chitchat (packed documents, see above)")
     parser.add_argument("--seed", type=int, default=0, help="token ids and --docs lognormal lengths")
     parser.add_argument("extra", nargs="*", help="more train.py overrides")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(disk_line("start", args.out))
-    data = ["data=chitchat"] if args.docs == "chitchat" else write_tokens(args, args.out / "random_tokens.npy")
-    rows = [run_cell(args, layout, dispatcher, args.out, data)
+    tokens = args.out / "random_tokens.npy"
+    if args.docs != "chitchat":
+        write_tokens(args, tokens)
+    rows = [run_cell(args, layout, dispatcher, args.out, tokens)
             for layout in args.layouts.split(",") for dispatcher in args.dispatchers.split(",")]
     print(f"\n{args.model} x {args.layers} layers, seq {args.seq_len}, local batch {args.local_batch}, "
           f"{args.nproc} process(es), documents {args.docs}, mean over steps {args.warmup + 1}..{args.steps}")
