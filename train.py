@@ -42,7 +42,8 @@ from training.data.packing import context_shard
 from training.evaluate import validation_loss
 from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, router_loss_shares
-from training.metrics import MetricLogger, moe_metrics, progress_line, reduce_routing, routing_summary
+from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
+                              routing_summary)
 from training.optim import build_optimizer, build_scheduler
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
@@ -333,7 +334,10 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         # The cp ranks of a dp slice read the same sequences; each keeps its 1/cp of every one.
         with torch.profiler.record_function("data"):
             data_start = time.perf_counter()
-            shards = [context_shard(next(loader), dims.cp_rank, dims.cp) for _ in range(cfg.train.grad_accum_steps)]
+            windows = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
+            # This rank's whole sequences (before the cp split): the attention pairs its dp slice computes.
+            attended = sum(attended_flops_per_token(model_args, w["position_ids"]) for w in windows) / len(windows)
+            shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
             batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
             data_time = time.perf_counter() - data_start  # the loader is on the critical path: keep this small
         lr = scheduler.get_last_lr()[0]
@@ -351,6 +355,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
             "tflops_per_device": per_device * flops_per_token / 1e12,
             "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
+            "attended_tflops_per_device": per_device * attended / 1e12,
+            "attended_mfu": per_device * attended / (peak_flops * 1e12) if peak_flops else None,
             "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
             "data_time_s": data_time, "data_share": data_time / step_time,
         }
