@@ -192,6 +192,7 @@ def test_compiled_blocks_read_the_same_copies(monkeypatch):
     """train.compile: the compiled pieces of each block read the compute copies the block's hook sets (instance
     attributes, traced as graph inputs with no recompile per step) and train as the eager ones do."""
     monkeypatch.setattr(parallelize, "apply_compile", functools.partial(apply_compile, backend="aot_eager"))
+    torch._dynamo.reset()  # graphs other tests compiled for the same code objects would count as recompiles here
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # new copies each step: no new graph
     tokens = synthetic_batches(2, BATCH, SEQ, debug_model_args().vocab_size)
     weights = seeded_weights(debug_model_args())
