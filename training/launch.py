@@ -14,13 +14,14 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.checkpoint import CheckpointError
+from training.checkpoint import CheckpointError, complete_checkpoints
 
 _RELAUNCHED = "QWEN_MOE_RELAUNCHED"  # set for the children of relaunch_with_torchrun
 
@@ -46,6 +47,12 @@ def one_line_errors() -> Iterator[None]:
     """Turn ONE_LINE_ERRORS into ``error: <message>`` and exit code 1 (see the module docstring)."""
     try:
         yield
+    except KeyboardInterrupt as e:  # Ctrl-C (train.py's StopSignal says how far it got): one line, exit code 130
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if not os.environ.get(_RELAUNCHED) and int(os.environ.get("RANK", 0)) == 0:
+            print(f"interrupted: {e or 'Ctrl-C'}", file=sys.stderr, flush=True)
+        sys.exit(130)
     except ONE_LINE_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -58,10 +65,12 @@ def one_line_errors() -> Iterator[None]:
         sys.exit(1)
 
 
-def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str, config: tuple[str, str]) -> None:
+def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str, config: tuple[str, str],
+                           checkpoints: Path) -> None:
     """Run ``train.py <overrides>`` under torchrun on this node with the same primary config (``config``: its
     directory and name), writing into this job's run directory; a failure raises LaunchError with the first failed
-    child's message."""
+    child's message, or, when a child was killed by a signal, which one and how (and the checkpoint under
+    ``checkpoints`` that resumes)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -79,12 +88,28 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
     try:
         run(parse_args(args))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        if not message or message.startswith("To enable traceback"):
-            message = "its traceback is above"
-        raise LaunchError(f"rank {rank} of the torchrun job failed (exit code {failure.exitcode}): {message}") from None
+        raise LaunchError(failure_line(e.failures, checkpoints)) from None
     finally:
         del os.environ[_RELAUNCHED]
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+
+
+def failure_line(failures: dict, checkpoints: Path) -> str:
+    """One line for a failed torchrun job (``failures``: ChildFailedError's, rank -> ProcessFailure): a rank killed
+    by a signal comes first (the others only lost their peer), with the checkpoint that resumes the run; else the
+    first failure's own message."""
+    killed = sorted(rank for rank, f in failures.items() if f.exitcode < 0)
+    if killed:
+        rank, code = killed[0], -failures[killed[0]].exitcode
+        newest = complete_checkpoints(checkpoints)
+        resume = (f"train.resume=auto continues from the last checkpoint, {newest[-1]}" if newest else
+                  f"no checkpoint was written under {checkpoints}; train.resume=auto starts the run again")
+        return (f"rank {rank} of the torchrun job was killed by {signal.Signals(code).name} (signal {code}); the "
+                f"other ranks were stopped with it; {resume}")
+    rank = min(failures, key=lambda r: failures[r].timestamp)
+    failure = failures[rank]
+    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    if not message or message.startswith("To enable traceback"):
+        message = "its traceback is above"
+    return f"rank {rank} of the torchrun job failed (exit code {failure.exitcode}): {message}"
