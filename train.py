@@ -52,16 +52,11 @@ from training.run_logs import run_logs
 logger = logging.getLogger("train")
 
 
-def resolve_model(cfg: TrainConfig, saved_config: dict[str, Any] | None = None) -> tuple[models.ModelSpec, Any]:
-    """The family's spec and hyper-parameters: the preset, or the config.json of model.init_from (model=hf). A
-    resume of a model.init_from run builds the architecture its checkpoint records (``saved_config``): the
-    checkpoint alone holds the weights, and init_from may be gone."""
+def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
+    """The family's spec and hyper-parameters: the preset, or the config.json of model.init_from (model=hf)."""
     m = cfg.model
     if m.init_from is None:
         return models.get_spec(m.model_type), models.build_args(m.model_type, dict(m.arch))
-    if saved_config is not None and saved_config["model"].get("model_type"):
-        saved = saved_config["model"]
-        return models.get_spec(saved["model_type"]), models.build_args(saved["model_type"], dict(saved["arch"]))
     hf_config = read_hf_config(m.init_from)
     if m.name == "hf":
         model_type, args = args_from_hf_config(hf_config)
@@ -194,19 +189,30 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     return StepResult(loss, aux_loss, z_loss, norm, update and finite, routing_LX)
 
 
-def check_config(cfg: TrainConfig, world_size: int, saved_config: dict[str, Any] | None = None
+def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | None = None
                  ) -> tuple[models.ModelSpec, Any, str | None]:
     """Every check that needs no process group: config, model and layout; also run by the launching process
-    before torchrun starts any child, so an impossible layout is one short error. ``saved_config``: the config of
-    the checkpoint being resumed, whose architecture a resume of a model.init_from run builds."""
+    before torchrun starts any child, so an impossible layout is one short error. ``resumed``: the config of the
+    checkpoint being resumed."""
     validate(cfg)
-    spec, model_args = resolve_model(cfg, saved_config)
+    cfg = as_resumed(cfg, resumed)
+    spec, model_args = resolve_model(cfg)
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
     if cfg.checkpoint.export_hf_at_end:
         check_export_requirements(cfg, tokenizer, model_args.vocab_size)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     return spec, model_args, tokenizer
+
+
+def as_resumed(cfg: TrainConfig, resumed: dict[str, Any] | None) -> TrainConfig:
+    """A resume of a model.init_from run builds the architecture and tokenizer its checkpoint records: the
+    checkpoint alone holds the weights, and init_from may be gone. (The config check then compares the rest.)"""
+    saved = (resumed or {}).get("model", {})
+    if cfg.model.init_from is None or not saved.get("model_type"):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, init_from=None, model_type=saved["model_type"], tokenizer=saved["tokenizer"], arch=saved["arch"]))
 
 
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -220,7 +226,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     dev_type = device.device_type(cfg.train.device)
     dims, dev = start_processes(cfg, dev_type)
     run_dir = open_run_dir(cfg, dims, run_scope)  # locked; what train.resume continues, known before any write
-    spec, model_args, tokenizer = check_config(cfg, dims.world_size, run_dir.start.saved_config)
+    spec, model_args, tokenizer = check_config(cfg, dims.world_size, run_dir.start.resumed_config)
     run_config, resolved = recorded_config(cfg, spec, model_args, tokenizer)
     global_batch = cfg.train.local_batch_size * cfg.train.grad_accum_steps * dims.dp
     if not continues(run_dir, run_config, global_batch, cfg, dims):
@@ -390,8 +396,8 @@ def continues(run_dir: RunDir, run_config: dict[str, Any], global_batch: int, cf
     what the run trained (its checkpoint's config, else its config.yaml); a finished run says so (False)."""
     start = run_dir.start
     source = start.checkpoint or run_dir.path / "config.yaml"
-    if start.saved_config is not None:
-        check_resumed_config(start.state or {"config": start.saved_config}, run_config, global_batch,
+    if start.state is not None or start.previous_config is not None:
+        check_resumed_config(start.state or {"config": start.previous_config}, run_config, global_batch,
                              cfg.train.allow_changes, source, dims.rank == 0)
     done = start.state["step"] if start.state is not None else 0
     if start.record is not None and start.record.finished and (start.state is None or done >= cfg.train.steps):
@@ -467,8 +473,8 @@ def restore(start: Start, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     set_rng_state(state["rng"], dev_type)
     if dims.rank == 0:
         logger.info("resumed from %s at step %d", start.checkpoint, state["step"])
-    # Checkpoints before tokens_total was recorded: the steps so far at this batch.
-    return state["step"] + 1, state["scheduler"]["last_epoch"], state.get("tokens_total", state["step"] * tokens_per_step)
+    tokens_total = state.get("tokens_total", state["step"] * tokens_per_step)  # recorded since: older ones at this batch
+    return state["step"] + 1, state["scheduler"]["last_epoch"], tokens_total
 
 
 def begin(run_dir: RunDir, run_config: dict[str, Any], cfg: TrainConfig, dims: parallelisms.ParallelDims,
@@ -652,7 +658,7 @@ def relaunch(cfg: TrainConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(cfg.train.output_dir or hydra_cfg.runtime.output_dir)
     start = find_start(cfg.train.resume, cfg.train.discard_newer, checkpoint_root(cfg, run_dir), run_dir)
-    check_config(cfg, world_size=cfg.launch.nproc_per_node, saved_config=start.saved_config)
+    check_config(cfg, world_size=cfg.launch.nproc_per_node, resumed=start.resumed_config)
     relaunch_with_torchrun(cfg.launch, list(hydra_cfg.overrides.task), str(run_dir), config=primary_config(hydra_cfg),
                            checkpoints=checkpoint_root(cfg, run_dir))
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import train
-from tests.conftest import TINY_MODEL, write_tokens
+from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from training import checkpoint as ckpt
 from training.run_dir import RECORD_FILE, find_start, lock_run_dir
 
@@ -289,10 +289,15 @@ def test_a_resume_needs_no_init_from_directory(tiny_run_config, tmp_path):
     train.run(source)
     hf = tmp_path / "hf"
     shutil.move(tmp_path / "source" / "hf", hf)
-    first = train.run(tiny_run_config("model=hf", f"model.init_from={hf}", "train.steps=2", "checkpoint.interval=2"))
+
+    def config(*overrides: str):  # model=hf: the architecture is init_from's config.json
+        return compose_config(["model=hf", f"model.init_from={hf}", "data=tokens", f"data.path={source.data.path}",
+                               "data.seq_len=32", f"data.cache_dir={tmp_path / 'cache'}", "train.device=cpu",
+                               f"train.output_dir={tmp_path / 'run'}", "logging.tensorboard=false", *overrides])
+
+    first = train.run(config("train.steps=2", "checkpoint.interval=2"))
     shutil.rmtree(hf)
-    resumed = train.run(tiny_run_config("model=hf", f"model.init_from={hf}", "train.steps=3", "train.resume=auto",
-                                        "train.allow_changes=[train.steps]"))
+    resumed = train.run(config("train.steps=3", "train.resume=auto", "train.allow_changes=[train.steps]"))
     assert [m["step"] for m in first + resumed] == [1, 2, 3]
 
 
@@ -326,7 +331,8 @@ def test_warmup_longer_than_the_run_is_named(tiny_run_config, caplog):
 
 
 def test_a_sweep_with_a_fixed_output_dir_puts_each_job_under_it(tmp_path):
-    out = _cli(tmp_path, "-m", "train.seed=0,1", "train.steps=1", cwd=tmp_path)  # train.output_dir=<tmp>/run
+    command = _args(tmp_path, "train.seed=0,1", "train.steps=1")  # train.output_dir=<tmp>/run
+    out = subprocess.run([*command[:2], "-m", *command[2:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
     for job in (0, 1):

@@ -203,8 +203,8 @@ def damaged_message(path: Path, why: str) -> str:
     step = step_of(path)
     previous = [p for p in complete_checkpoints(path.parent) if step is not None and step_of(p) < step]
     fix = (f"to resume from the previous complete checkpoint, move the damaged one aside (mv {path} {path}.damaged) "
-           f"and run again with train.resume=auto, or set train.resume={previous[-1]}" if previous
-           else "no earlier complete checkpoint exists; start afresh in another train.output_dir")
+           f"and run again with train.resume=auto, or set train.resume={previous[-1]} train.discard_newer=true"
+           if previous else "no earlier complete checkpoint exists; start afresh in another train.output_dir")
     return f"checkpoint {path} is damaged: {why}; {fix}"
 
 
@@ -308,8 +308,8 @@ _WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file
 
 
 def write_failure(e: BaseException, what: str, path: Path) -> str | None:
-    """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what it wraps: DCP gathers every
-    rank's exception) is a failed write, else None. torch's zip writer reports a full disk or a file-size limit as
+    """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what
+    it wraps: DCP gathers every rank's exception) is a failed write, else None. torch's zip writer reports a full disk or a file-size limit as
     ``RuntimeError ... unexpected pos``, without an errno: then the free space says which."""
     pending, seen = [e], []
     while pending:

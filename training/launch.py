@@ -5,7 +5,10 @@ each job as its own torchrun, one after another), and end a failed run with one 
 Errors: bad input and refused actions (``ONE_LINE_ERRORS``) end the process with ``error: <message>`` and exit
 code 1 instead of a traceback; ``HYDRA_FULL_ERROR=1`` re-raises them with their tracebacks. Under torchrun the
 message also goes to torchrun's per-child error file, so torchrun's failure summary shows it, and the relaunching
-process prints the first failed child's message as its own one line (the children stay quiet).
+process prints the first failed child's message as its own one line (the children stay quiet). A child killed by
+a signal is named with the signal and the checkpoint that resumes the run; the other children's gloo errors about
+their lost peer are one line each in torchrun's error files, not tracebacks. Ctrl-C (KeyboardInterrupt) ends with
+``interrupted: <message>`` and exit code 130.
 """
 
 from __future__ import annotations
@@ -53,16 +56,27 @@ def one_line_errors() -> Iterator[None]:
         if not os.environ.get(_RELAUNCHED) and int(os.environ.get("RANK", 0)) == 0:
             print(f"interrupted: {e or 'Ctrl-C'}", file=sys.stderr, flush=True)
         sys.exit(130)
-    except ONE_LINE_ERRORS as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except Exception as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or not (isinstance(e, ONE_LINE_ERRORS) or _lost_peer(e)):
             raise
-        message = str(e) if isinstance(e, (LaunchError, CheckpointError)) else f"{type(e).__name__}: {e}"
+        message = (str(e) if isinstance(e, (LaunchError, CheckpointError)) else
+                   f"lost a peer rank (its process ended): {str(e).splitlines()[0]}" if _lost_peer(e) else
+                   f"{type(e).__name__}: {e}")
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchrun reads it; its summary then shows this message instead of a bare exit code
             Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
         if not os.environ.get(_RELAUNCHED) and int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {message}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+# How gloo reports a peer whose process died mid-collective: the survivors' side of a killed rank, which the
+# launcher reports (failure_line), not a bug of theirs to show a traceback for.
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer")
+
+
+def _lost_peer(e: Exception) -> bool:
+    return isinstance(e, RuntimeError) and "WORLD_SIZE" in os.environ and any(m in str(e) for m in _LOST_PEER)
 
 
 def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str, config: tuple[str, str],

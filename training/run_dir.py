@@ -114,9 +114,9 @@ class Start:
     discard: list[Path] = field(default_factory=list)  # train.discard_newer: removed once the resume is good
 
     @property
-    def saved_config(self) -> dict[str, Any] | None:
-        """The config the run was trained with: the checkpoint's, else config.yaml's."""
-        return self.state.get("config") if self.state is not None else self.previous_config
+    def resumed_config(self) -> dict[str, Any] | None:
+        """The resumed checkpoint's config (None: none resumed, or written before configs were recorded)."""
+        return self.state.get("config") if self.state is not None else None
 
 
 def _logged_steps(run_dir: Path) -> int:
