@@ -169,7 +169,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         ((ce + args.router_aux_loss_coef * aux + args.router_z_loss_coef * z) * dims.grad_scale).backward()
         ce_share, aux_share, z_share = ce_share + ce.detach(), aux_share + aux.detach(), z_share + z.detach()
         routing_LX = routing_LX + routing_summary(out.router_stats)
-    grad_norm = parallelisms.clip_grad_norm_(model, cfg.optim.grad_clip, dims)
+    grad_norm = parallelisms.grad_norm(model, dims)  # clipped below, once the host has the norm
     losses = torch.stack([ce_share, aux_share, z_share])
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
@@ -180,6 +180,9 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
+        coef = parallelisms.clip_coefficient(cfg.optim.grad_clip, norm)
+        if cfg.optim.grad_clip > 0 and coef < 1:  # a step within the norm skips the pass over every gradient
+            parallelisms.scale_grads_(model, coef)
         optimizer.step()
         scheduler.step()
         if args.router_bias_update_rate > 0:

@@ -4,8 +4,8 @@ takes the best that can run; a plugin named explicitly (flash-linear-attention) 
 
 Two kinds of op, chosen alike: those the models call through a kernel slot (see ``models/layers.py``: norms,
 activations, rotary, the cross-entropy step, the delta rule), and those the dispatch path's kernel functions call
-(``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``), which EP dispatchers and the
-experts use without ever checking the device.
+(``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``, ``kernels.adamw``), which EP
+dispatchers, the experts and the optimizer use without ever checking the device.
 
 ``select_kernels(cfg, device_type)`` chooses one implementation per op and records why (``Kernels.log``: one line
 per op at start-up); ``apply_kernels(model, kernels)`` installs the choices: into every module's kernel slots, and
@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from core import device
 from kernels import fla, installed
+from kernels.adamw import adamw_step_torch
 from kernels.config import AUTO, FLA, KernelConfig, plugin_names
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kernels.grouped_mm import per_group_mm
@@ -192,6 +193,9 @@ OPS: dict[str, OpSpec] = {
         Impl("torch._grouped_mm", ("cuda",), _lazy("kernels.grouped_mm", "native_grouped_mm"), _needs_grouped_mm,
              "where it supports the dtype (probed at the first call), else the per-expert loop"),
         _npu_moe("grouped_mm", "the per-expert loop where an expert gets no rows or is the only one")),
+    # The optimizer's update (optim.state_dtype=bfloat16: training.optim.AdamW), one pass per parameter.
+    "adamw_step": _dispatch(adamw_step_torch, Impl("triton", ("cuda",), _lazy("kernels.triton_adamw", "adamw_step"),
+                                                   _needs_triton)),
 }
 SLOT_OPS = tuple(op for op, spec in OPS.items() if spec.slot)  # what models call through their kernel slots
 INSTALLED_OPS = tuple(op for op, spec in OPS.items() if not spec.slot)  # what kernel functions call

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.grouped_mm import grouped_mm
+from kernels.permute import moe_token_permute, moe_token_unpermute
 from kernels.swiglu import packed_swiglu
 from models.footprint import LayerActivations
 
@@ -112,15 +113,20 @@ DispatchFn = Callable[[ExpertWeights, torch.Tensor, torch.Tensor, torch.Tensor],
 
 
 class LocalDispatcher:
-    """All experts live on this rank: sort the routed rows by expert, run them, scatter back. The reference
-    every expert-parallel dispatcher reproduces (same call, ``parallelisms.dispatchers.base.Dispatcher``)."""
+    """All experts live on this rank: permute the routed rows into expert order, run them, unpermute with the
+    router weights. The reference every expert-parallel dispatcher reproduces (same call,
+    ``parallelisms.dispatchers.base.Dispatcher``).
+
+    The token moves are ``kernels.permute``'s, the kernels the registry installs (on CUDA the Triton K-to-one
+    gathers and sums the fused dispatcher uses): gathers whose backward is a gather, no ``index_add_`` or
+    ``index_put_`` with atomics, and nothing read back to the host (the grouped GEMM's offsets are a device
+    cumsum of ``counts_E``)."""
 
     def __call__(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
-        order_M, counts_E = sort_by_expert(experts_NK, experts.gate_up_proj.shape[0])
-        token_M = order_M // experts_NK.shape[1]
-        out_MD = compute_experts(experts, x_ND[token_M], counts_E)
-        return combine(out_MD, weights_NK.flatten()[order_M], token_M, x_ND.shape[0])
+        x_MD, state = moe_token_permute(x_ND, experts_NK)
+        out_MD = compute_experts(experts, x_MD, expert_counts(experts_NK, experts.gate_up_proj.shape[0]))
+        return moe_token_unpermute(out_MD, weights_NK, state)
 
 
 def sort_by_expert(experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

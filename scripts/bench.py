@@ -25,14 +25,19 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cell_overrides(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> list[str]:
+    """The train.py overrides of one grid cell (tests/test_docs.py composes the documented bench commands' cells)."""
+    return [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
+            f"dispatcher={dispatcher}", "data=tokens", f"data.path={tokens}", f"data.seq_len={args.seq_len}",
+            f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
+            f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
+            "train.save_final=false", "logging.tensorboard=false", f"logging.profile_step={args.profile_step}",
+            "logging.profile_steps=1", *args.extra]
+
+
 def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
     cell_dir = out / f"{layout}-{dispatcher}"
-    overrides = [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
-                 f"dispatcher={dispatcher}", "data=tokens", f"data.path={tokens}", f"data.seq_len={args.seq_len}",
-                 f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
-                 f"train.steps={args.steps}", f"train.output_dir={cell_dir}", "train.save_final=false",
-                 "logging.tensorboard=false", f"logging.profile_step={args.profile_step}", "logging.profile_steps=1",
-                 *args.extra]
+    overrides = cell_overrides(args, layout, dispatcher, out, tokens)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
                 if args.nproc > 1 else [sys.executable])
     summary = cell_dir / "profile" / "summary_rank0.md"
@@ -54,7 +59,7 @@ def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, 
             "data_share": mean("data_share")}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3_moe_30b_a3b")
     parser.add_argument("--layers", type=int, default=8)
@@ -70,7 +75,11 @@ def main() -> None:
     parser.add_argument("--profile-step", type=int, default=0,
                         help="profile this step (not averaged) and print each cell's summary")
     parser.add_argument("extra", nargs="*", help="more train.py overrides")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tokens = args.out / "random_tokens.npy"
     need = args.steps * args.local_batch * args.nproc * (args.seq_len + 1) * 2

@@ -5,7 +5,8 @@
 Shapes: Qwen3.5-35B-A3B (hidden 2048, DeltaNet 16 k-heads x 128 and 32 v-heads x 128, attention heads of 256 with
 64 rotary channels, shared expert 512) and Qwen3-30B-A3B (heads of 128; 128 experts top-8 of intermediate 768,
 16 local under ep8), 4 x 4096 tokens (2 x 4096 for the delta rule), bf16 activations and weights as under FSDP
-mixed precision. The dispatch path's ops too: the permutes' K-to-one steps, the token permutes, the grouped GEMM.
+mixed precision. The dispatch path's ops too: the permutes' K-to-one steps, the token permutes, the grouped GEMM;
+and the optimizer's update with bf16 moments (optim.state_dtype=bfloat16).
 
 Error: ``|out - ref| / |ref|`` (norm-wise) of every output and input gradient, where ``ref`` is the torch
 reference run in fp32 on the same inputs; the torch reference's own bf16 error is printed beside it as the
@@ -187,6 +188,22 @@ def _round_trip(permute: Callable, unpermute: Callable) -> Callable:
 PAIRED = {"moe_token_unpermute": "moe_token_permute"}  # op -> the op whose state it reads
 
 
+def _adamw_case(name: str, output: int) -> Case:
+    """A 4M-parameter update at step 10 with bf16 moments (fp32 p and g); ``output``: 0 the change of p, 1 exp_avg,
+    2 exp_avg_sq (each checked on its own: the moments are ~1e-4 of p)."""
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        n = 1 << 22
+        return {"p": _randn(gen, dev, n, dtype=torch.float32), "g": _randn(gen, dev, n, scale=1e-2, dtype=torch.float32),
+                "m": _randn(gen, dev, n, scale=1e-2), "v": _randn(gen, dev, n, scale=1e-2).square()}
+
+    def call(fn: Callable, t: Inputs) -> torch.Tensor:
+        p, m, v = t["p"].clone(), t["m"].clone(), t["v"].clone()
+        fn(p, t["g"], m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0)
+        return (p - t["p"], m, v)[output].float()
+
+    return Case(name, make, call, TOL_ELEMENTWISE, backward=False)
+
+
 CASES: dict[str, list[Case]] = {
     "rms_norm": [_norm_case("qwen3 hidden 2048", (4 * 4096, 2048), 1.0),
                  _norm_case("qwen3 q_norm 32 x 128", (4, 4096, 32, 128), 1.0)],
@@ -222,6 +239,8 @@ CASES: dict[str, list[Case]] = {
     "grouped_mm": [_grouped_mm_case("qwen3 ep8 gate_up, 64k rows", 65536, 2 * I_EXPERT, D_HIDDEN),
                    _grouped_mm_case("qwen3 ep8 down, 64k rows", 65536, D_HIDDEN, I_EXPERT),
                    _grouped_mm_case("qwen3 ep8 gate_up, an idle expert", 65536, 2 * I_EXPERT, D_HIDDEN, True)],
+    "adamw_step": [_adamw_case("4M params, bf16 moments, dp", 0), _adamw_case("4M params, bf16 moments, m", 1),
+                   _adamw_case("4M params, bf16 moments, v", 2)],
 }
 
 

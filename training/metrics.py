@@ -187,9 +187,10 @@ ROUTING_EXTRA = 3  # the columns of routing_summary after the 2E per-expert ones
 
 def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
     """[L, 2E + 3] per MoE layer: routed slots per expert, router probability sums per expert, entropy sum, sum of
-    squared router logsumexps (z), token count (no grad, stays on device)."""
+    squared router logsumexps (z), token count (no grad, stays on device: no tensor from host data, whose copy
+    would sync)."""
     return torch.stack([torch.cat([s.counts_E, s.prob_sum_E.detach(), s.entropy_sum.reshape(1),
-                                   s.z_sum.detach().reshape(1), s.counts_E.new_tensor([s.num_tokens])])
+                                   s.z_sum.detach().reshape(1), s.counts_E.new_full((1,), s.num_tokens)])
                         for s in stats]).detach()
 
 
