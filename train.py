@@ -1,8 +1,10 @@
 """Train a Qwen MoE model. ``python train.py`` trains the tiny default on any machine;
 ``torchrun --nproc_per_node 8 train.py model=qwen3_moe_30b_a3b parallel=ep8`` the real thing.
 
-Reads top to bottom: config -> process groups and meshes -> model on meta -> parallelize ->
-materialise (init or load) -> optimizer -> data -> loop -> final weights.
+``run_training`` reads as the outline: config -> process groups and meshes -> the run directory (locked; what
+train.resume continues) -> model on meta, parallelized, materialised -> optimizer -> data -> restore (a resume) ->
+the first writes -> the loop -> finish (a checkpoint at the last step, the final weights). The steps follow it in
+that order; then the loop's parts, the signals, and the Hydra entry point.
 """
 
 from __future__ import annotations
@@ -270,7 +272,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
                   device.peak_tflops(dev_type))
     history: list[dict[str, Any]] = []
     steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
-    saved_at, start = first_step - 1 if run_dir.start.checkpoint else None, time.perf_counter()
+    saved_at = first_step - 1 if run_dir.start.checkpoint else None  # the step the newest checkpoint holds
+    start = time.perf_counter()
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
         profiler.step_begin(step)
@@ -302,8 +305,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             checkpoint(step)
             saved_at = step
     else:
-        finish(run_dir, model, spec, tokenizer, cfg, dims, checkpoint, saved_at, last_step=steps[-1] if steps
-               else first_step - 1)
+        last_step = steps[-1] if steps else first_step - 1  # none left: a resume of the last step's checkpoint
+        finish(run_dir, model, spec, tokenizer, cfg, dims, checkpoint, saved_at, last_step)
     profiler.close()  # a run that stopped inside the window still gets its trace and summary
     stop.restore()
     gc_off.restore()

@@ -112,10 +112,13 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
 def failure_line(failures: dict, checkpoints: Path) -> str:
     """One line for a failed torchrun job (``failures``: ChildFailedError's, rank -> ProcessFailure): a rank killed
     by a signal comes first (the others only lost their peer), with the checkpoint that resumes the run; else the
-    first failure's own message."""
-    killed = sorted(rank for rank, f in failures.items() if f.exitcode < 0)
+    first failure's own message. torchrun stops the other ranks with SIGTERM (and reports them so): another
+    signal names the rank that died first."""
+    killed = sorted((f.exitcode == -signal.SIGTERM, f.timestamp, rank) for rank, f in failures.items()
+                    if f.exitcode < 0)
     if killed:
-        rank, code = killed[0], -failures[killed[0]].exitcode
+        rank = killed[0][2]
+        code = -failures[rank].exitcode
         newest = complete_checkpoints(checkpoints)
         resume = (f"train.resume=auto continues from the last checkpoint, {newest[-1]}" if newest else
                   f"no checkpoint was written under {checkpoints}; train.resume=auto starts the run again")
