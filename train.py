@@ -1,8 +1,10 @@
 """Train a Qwen MoE model. ``python train.py`` trains the tiny default on any machine;
 ``torchrun --nproc_per_node 8 train.py model=qwen3_moe_30b_a3b parallel=ep8`` the real thing.
 
-Reads top to bottom: config -> process groups and meshes -> model on meta -> parallelize ->
-materialise (init or load) -> optimizer -> data -> loop -> final weights.
+``run_training`` reads as the outline: config -> process groups and meshes -> the run directory (locked; what
+train.resume continues) -> model on meta, parallelized, materialised -> optimizer -> data -> restore (a resume) ->
+the first writes -> the loop -> finish (a checkpoint at the last step, the final weights). The steps follow it in
+that order; then the loop's parts, the signals, and the Hydra entry point.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import gc
 import logging
 import math
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -32,10 +35,10 @@ from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
                           read_hf_config)
 from parallelisms.float8 import apply_float8
-from training.checkpoint import (load_checkpoint, read_train_state, resolve_resume, rng_state, save_checkpoint,
-                                 save_model_weights, set_rng_state)
-from training.config import (TrainConfig, check_resume_config, flat_config, register_schema, schema_defaults,
-                             to_train_config, validate)
+from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
+                                 set_rng_state)
+from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, register_schema,
+                             schema_defaults, to_train_config, validate)
 from training.data.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
 from training.data.loader import build_data_loader
 from training.data.packing import context_shard
@@ -47,6 +50,7 @@ from training.metrics import (MetricLogger, attended_flops_per_token, moe_metric
 from training.optim import build_optimizer, build_scheduler
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
+from training.run_dir import Start, check_not_moved, find_start, lock_run_dir, new_record, write_record
 from training.run_logs import run_logs
 
 logger = logging.getLogger("train")
@@ -82,22 +86,6 @@ def on_rank0(dims: parallelisms.ParallelDims, decide: Callable[[], Any]) -> Any:
     if not ok:
         raise value
     return value
-
-
-def shared_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims) -> Path:
-    """One run directory for all ranks: rank 0's choice (each rank's Hydra clock may differ)."""
-
-    def choose() -> str:
-        if cfg.train.output_dir is not None:
-            return cfg.train.output_dir
-        from hydra.core.hydra_config import HydraConfig
-
-        return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "outputs/run"
-
-    run_dir = Path(on_rank0(dims, choose))
-    if dims.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], global_batch: int, allow: list[str],
@@ -208,10 +196,13 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     return StepResult(loss, aux_loss, z_loss, norm, update and finite, routing_LX)
 
 
-def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, Any, str | None]:
+def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | None = None
+                 ) -> tuple[models.ModelSpec, Any, str | None]:
     """Every check that needs no process group: config, model and layout; also run by the launching process
-    before torchrun starts any child, so an impossible layout is one short error."""
+    before torchrun starts any child, so an impossible layout is one short error. ``resumed``: the config of the
+    checkpoint being resumed."""
     validate(cfg)
+    cfg = as_resumed(cfg, resumed)
     spec, model_args = resolve_model(cfg)
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
     if cfg.checkpoint.export_hf_at_end:
@@ -223,114 +214,75 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, A
     return spec, model_args, tokenizer
 
 
+def as_resumed(cfg: TrainConfig, resumed: dict[str, Any] | None) -> TrainConfig:
+    """A resume of a model.init_from run builds the architecture and tokenizer its checkpoint records: the
+    checkpoint alone holds the weights, and init_from may be gone. (The config check then compares the rest.)"""
+    saved = (resumed or {}).get("model", {})
+    if cfg.model.init_from is None or not saved.get("model_type"):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, init_from=None, model_type=saved["model_type"], tokenizer=saved["tokenizer"], arch=saved["arch"]))
+
+
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     """Train as configured; returns the per-step metrics (also written to <run_dir>/metrics.jsonl)."""
-    with contextlib.ExitStack() as run_scope:  # what the run opens (log files) is closed however it ends
+    with contextlib.ExitStack() as run_scope:  # what the run opens (its lock, log files) is closed however it ends
         return run_training(cfg, run_scope)
 
 
 def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict[str, Any]]:
+    validate(cfg)  # bad input is one line before anything is written
     dev_type = device.device_type(cfg.train.device)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    spec, model_args, tokenizer = check_config(cfg, world_size)
-
-    parallelisms.init_distributed(dev_type, cfg.parallel)
-    dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
-    dev = device.local_device(dev_type)
-    run_dir = shared_run_dir(cfg, dims)
-    run_scope.enter_context(run_logs(run_dir, dims.rank, cfg.logging.all_ranks))
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    # Record the architecture actually built (model=hf leaves it to config.json) so export/resume can rebuild it.
-    resolved = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, model_type=spec.model_type, tokenizer=tokenizer or "none", arch=dataclasses.asdict(model_args)))
-    run_config = OmegaConf.to_container(OmegaConf.structured(resolved))
+    dims, dev = start_processes(cfg, dev_type)
+    run_dir = open_run_dir(cfg, dims, run_scope)  # locked; what train.resume continues, known before any write
+    spec, model_args, tokenizer = check_config(cfg, dims.world_size, run_dir.start.resumed_config)
+    run_config, resolved = recorded_config(cfg, spec, model_args, tokenizer)
     global_batch = cfg.train.local_batch_size * cfg.train.grad_accum_steps * dims.dp
-    # A resume is checked (config, then keys, shapes and file checksums) before anything of the run is rewritten.
-    resume_from = on_rank0(dims, lambda: resolve_resume(cfg.train.resume, ckpt_root, run_dir))
-    state = read_train_state(resume_from) if resume_from else None
-    if state is not None:
-        check_resumed_config(state, run_config, global_batch, cfg.train.allow_changes, resume_from, dims.rank == 0)
+    if not continues(run_dir, run_config, global_batch, cfg, dims):
+        return []  # the run is finished
     torch.manual_seed(cfg.train.seed)
-
-    # Build on meta, shard, then materialise: no rank ever holds the full model in memory.
-    bf16 = cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and dev_type != "cpu")
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    param_counts = spec.parameter_counts(model)
-    if cfg.train.float8 != "none":  # on meta, before parallelize: AC, EP and FSDP wrap the FP8 modules as any others
-        apply_float8(model, spec, cfg.train.float8, dev_type)
-    model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
-                                           torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher,
-                                           compile_blocks=cfg.train.compile)
-    model.to_empty(device=dev)
-    if cfg.model.init_from is not None and resume_from is None:
-        load_hf_into_model(model, cfg.model.init_from)  # each rank reads only the slices it owns
-    else:
-        model.init_weights()  # every parameter; the rotary tables are computed per call, so no buffers
-    model.train()
-    kernels = select_kernels(cfg.kernel_config, dev_type)  # a missing requested package fails here, on every rank
-    slots = apply_kernels(model, kernels)
-    if dims.rank == 0:
-        kernels.log(logger)
-        delta_rule = kernels.choices["chunk_gated_delta_rule"]
-        if dev_type == "cuda" and slots.get("chunk_gated_delta_rule") and delta_rule.impl == "torch":
-            logger.warning("Gated DeltaNet runs its torch reference (about half the speed of FLA's kernel: %s); "
-                           "for speed: pip install '.[gpu]' with triton >= 3.7.1 (torch >= 2.12.1) and "
-                           "kernel_config=auto_fla", delta_rule.reason)
-
+    model, param_counts, kernels = build_model(cfg, spec, model_args, dims, dev, dev_type,
+                                               load_init_from=run_dir.start.checkpoint is None)
     optimizer = build_optimizer(model, cfg.optim)
-    loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
-                               dp_rank=dims.dp_rank, dp_size=dims.dp,
-                               tokenizer=tokenizer, model_vocab_size=model_args.vocab_size)
-    # The held-out batches, cp-sharded once: every eval step reads the same ones.
-    val_batches = ([context_shard(b, dims.cp_rank, dims.cp) for b in loader.validation.batches(cfg.train.eval_batches)]
-                   if cfg.train.eval_every else [])
-    first_step, position = 1, 0
-    if state is not None:
-        load_checkpoint(resume_from, model, optimizer, state.get("files"))
-        loader.load_state_dict(state["loader"], cfg.train.allow_changes)
-        set_rng_state(state["rng"], dev_type)
-        first_step, position = state["step"] + 1, state["scheduler"]["last_epoch"]
-        if dims.rank == 0:
-            logger.info("resumed from %s at step %d", resume_from, state["step"])
+    loader, val_batches = build_data(cfg, dims, tokenizer, model_args.vocab_size)
+    tokens_per_step = global_batch * cfg.data.seq_len
+    first_step, position, tokens_total = restore(run_dir.start, model, optimizer, loader, dev_type, dims,
+                                                 tokens_per_step, cfg.train.allow_changes)
     scheduler = build_scheduler(optimizer, cfg.optim, max(cfg.train.steps, 1), position)
-    # Only now, with the resume known good, is anything of the run directory rewritten.
-    if dims.rank == 0:
-        atomic_write_text(run_dir / "config.yaml", rerunnable_config(run_config))
-    metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0,
-                                 keep_until=first_step - 1 if state is not None else None, run_config=run_config)
+    metric_logger = begin(run_dir, run_config, cfg, dims, first_step)  # the first writes into the run directory
     # Autocast only under DDP: FSDP's mixed-precision policy (or in one process its stand-in) casts the parameters.
-    autocast = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16 and cfg.parallel.backend.name == "ddp")
-    flops_per_token = model_args.flops_per_token(cfg.data.seq_len)
-    peak_flops = device.peak_tflops(dev_type)
+    autocast = torch.autocast(dev_type, dtype=torch.bfloat16,
+                              enabled=mixed_bf16(cfg, dev_type) and cfg.parallel.backend.name == "ddp")
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
     stop = StopSignal(dims, dev)
-    profiler = StepProfiler(run_dir, cfg.logging.profile_step, cfg.logging.profile_steps, dims.rank, dev_type)
-    if cfg.train.gc_every:  # Python's automatic GC pauses one rank at a time, and every other rank waits on it
-        gc.collect()
-        gc.disable()
+    profiler = StepProfiler(run_dir.path, cfg.logging.profile_step, cfg.logging.profile_steps, dims.rank, dev_type)
+    gc_off = ManualGC(cfg.train.gc_every)
 
-    def checkpoint(step: int) -> None:
+    def checkpoint(step: int) -> Path:
         train_state = {"scheduler": {"last_epoch": scheduler.last_epoch}, "loader": loader.state_dict(),
                        "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch,
                        "tokens_total": tokens_total}
-        save_checkpoint(ckpt_root, step, model, optimizer, train_state, cfg.checkpoint.keep_last, dims.rank == 0)
+        path = save_checkpoint(run_dir.ckpt_root, step, model, optimizer, train_state, cfg.checkpoint.keep_last,
+                               dims.rank == 0)
+        run_dir.saved(step, path, dims.rank == 0)
+        return path
 
-    tokens_per_step = global_batch * cfg.data.seq_len
-    # Checkpoints before tokens_total was recorded: the steps so far at this batch.
-    tokens_total = state.get("tokens_total", (first_step - 1) * tokens_per_step) if state is not None else 0
     if dims.rank == 0:
-        for line in startup_summary(resolved, param_counts, dims, global_batch, kernels, run_dir):
+        for line in startup_summary(resolved, param_counts, dims, global_batch, kernels, run_dir.path):
             logger.info(line)
+        for line in config_warnings(cfg):
+            logger.warning(line)
+    rates = Rates(tokens_per_step, dims.world_size, model_args.flops_per_token(cfg.data.seq_len),
+                  device.peak_tflops(dev_type))
     history: list[dict[str, Any]] = []
     steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
+    saved_at = first_step - 1 if run_dir.start.checkpoint else None  # the step the newest checkpoint holds
     start = time.perf_counter()
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
         profiler.step_begin(step)
         step_start = time.perf_counter()
-        if cfg.train.gc_every and step % cfg.train.gc_every == 0:
-            gc.collect(1)  # young generations only, as torchtitan: cheap, at the same step on every rank
+        gc_off.step(step)
         # The cp ranks of a dp slice read the same sequences; each keeps its 1/cp of every one.
         with torch.profiler.record_function("data"):
             data_start = time.perf_counter()
@@ -345,103 +297,345 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         device.synchronize(dev_type)
         step_time = time.perf_counter() - step_start
         profiler.step_end(step)  # after the sync: the profiled wall time is complete
-        tokens = tokens_per_step
-        tokens_total += tokens if step > 0 else 0
-        per_device = tokens / step_time / dims.world_size
-        metrics: dict[str, Any] = {
-            "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "z_loss": result.z_loss,
-            "grad_norm": result.grad_norm,
-            "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens, "tokens_total": tokens_total,
-            "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
-            "tflops_per_device": per_device * flops_per_token / 1e12,
-            "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
-            "attended_tflops_per_device": per_device * attended / 1e12,
-            "attended_mfu": per_device * attended / (peak_flops * 1e12) if peak_flops else None,
-            "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
-            "data_time_s": data_time, "data_share": data_time / step_time,
-        }
+        tokens_total += tokens_per_step if step > 0 else 0
+        metrics = step_metrics(step, result, lr, rates, attended, tokens_total, step_time, data_time, dev_type)
         if val_batches and (step % cfg.train.eval_every == 0 or step == steps[-1]):
             metrics["val_loss"] = validation_loss(model, val_batches, dev, autocast, dims.data_group)
         history.append(metrics)
-        if metrics["skipped"] and dims.rank == 0:
-            logger.warning("step %d skipped: loss=%s, grad_norm=%s: not finite, no update (train.nonfinite=skip)",
-                           step, result.loss, result.grad_norm)
-        log_now = step % cfg.logging.log_every == 0 or step == steps[-1] or "val_loss" in metrics
-        record_routing = cfg.logging.routing_every > 0 and step % cfg.logging.routing_every == 0
-        if log_now or record_routing:  # one all-reduce and one small copy to the host, shared by log and record
-            routing_LX = reduce_routing(result.routing_LX, dims.data_group)
-        if record_routing:
-            metric_logger.log_routing(step, routing_LX)
-        if log_now:
-            metrics.update(moe_metrics(routing_LX))
-            metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
-            metric_logger.log(metrics)
-            if dims.rank == 0:
-                eta = (time.perf_counter() - start) / done * (len(steps) - done)
-                logger.info(progress_line(metrics, cfg.train.steps, eta))
+        log_step(metrics, result, loader, metric_logger, cfg, dims, last=step == steps[-1],
+                 eta=(time.perf_counter() - start) / done * (len(steps) - done))
         if stop.requested():
-            checkpoint(step)
-            logger.info("stopping at step %d on SIGTERM after saving a checkpoint", step)
+            stop.path = checkpoint(step)
+            logger.info("stopping at step %d on %s after saving a checkpoint", step, stop.name)
             break
         if cfg.checkpoint.interval > 0 and step > 0 and step % cfg.checkpoint.interval == 0:
             checkpoint(step)
+            saved_at = step
     else:
-        if cfg.train.save_final:
-            save_model_weights(model, run_dir / "model.safetensors", is_writer=dims.rank == 0)
-        if cfg.checkpoint.export_hf_at_end:
-            export_hf(model, spec.model_type, run_dir / "hf", extra_files=hf_tokenizer_files(tokenizer))
+        last_step = steps[-1] if steps else first_step - 1  # none left: a resume of the last step's checkpoint
+        finish(run_dir, model, spec, tokenizer, cfg, dims, checkpoint, saved_at, last_step)
     profiler.close()  # a run that stopped inside the window still gets its trace and summary
     stop.restore()
-    if cfg.train.gc_every:
-        gc.enable()
+    gc_off.restore()
     metric_logger.close()
     if dims.rank == 0:
         logger.info("done: %d of %d steps (%d in this process, %s), %s tokens in all; run directory: %s",
                     history[-1]["step"] if history else first_step - 1, cfg.train.steps, len(history),
-                    datetime.timedelta(seconds=round(time.perf_counter() - start)), f"{tokens_total:,}", run_dir)
+                    datetime.timedelta(seconds=round(time.perf_counter() - start)), f"{tokens_total:,}", run_dir.path)
+    stop.raise_if_interrupted()
     return history
 
 
+# ------------------------------------------------------------------------------------------ set-up steps
+def start_processes(cfg: TrainConfig, dev_type: str) -> tuple[parallelisms.ParallelDims, torch.device]:
+    """The process group (under torchrun), the layout's meshes and this rank's device."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    parallelisms.init_distributed(dev_type, cfg.parallel)
+    dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
+    return dims, device.local_device(dev_type)
+
+
+class RunDir:
+    """The run directory, held (locked) by rank 0 for the run: where it writes, where its checkpoints go, what
+    this start continues (``start``) and the run's record (``run.json``, rank 0's)."""
+
+    def __init__(self, path: Path, ckpt_root: Path, start: Start) -> None:
+        self.path, self.ckpt_root, self.start = path, ckpt_root, start
+        self.record = new_record(path, ckpt_root, start.record, 0)
+
+    def begin(self, step: int, is_writer: bool) -> None:
+        """The run starts (or continues) after ``step``: record it; drop what train.discard_newer discards."""
+        self.record.step, self.record.finished = step, False
+        if self.start.checkpoint is not None:
+            self.record.checkpoint = str(self.start.checkpoint)
+        if not is_writer:
+            return
+        for path in self.start.discard:
+            logger.warning("train.discard_newer: removing %s (trained after the resumed step %d)", path, step)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        write_record(self.path, self.record)
+
+    def saved(self, step: int, checkpoint: Path, is_writer: bool) -> None:
+        self.record.step, self.record.checkpoint = step, str(checkpoint)
+        if is_writer:
+            write_record(self.path, self.record)
+
+    def finished(self, step: int, is_writer: bool) -> None:
+        self.record.step, self.record.finished = step, True
+        if is_writer:
+            write_record(self.path, self.record)
+
+
+def open_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims, run_scope: contextlib.ExitStack) -> RunDir:
+    """One run directory for all ranks, rank 0's choice (each rank's Hydra clock may differ): locked by rank 0
+    (a refusal reaches every rank), its logs opened, and what train.resume continues decided on rank 0 before
+    anything of the run is rewritten."""
+
+    def choose() -> tuple[str, Start]:
+        path = Path(cfg.train.output_dir if cfg.train.output_dir is not None else hydra_run_dir())
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"train.output_dir={path} is a file, not a directory; name a directory")
+        run_scope.enter_context(lock_run_dir(path))  # held until the run ends; the OS releases it if we die
+        return str(path), find_start(cfg.train.resume, cfg.train.discard_newer, checkpoint_root(cfg, path), path)
+
+    path, start = on_rank0(dims, choose)
+    run_dir = RunDir(Path(path), checkpoint_root(cfg, Path(path)), start)
+    run_scope.enter_context(run_logs(run_dir.path, dims.rank, cfg.logging.all_ranks))
+    return run_dir
+
+
+def hydra_run_dir() -> str:
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "outputs/run"
+
+
+def checkpoint_root(cfg: TrainConfig, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def recorded_config(cfg: TrainConfig, spec: models.ModelSpec, model_args: Any, tokenizer: str | None
+                    ) -> tuple[dict[str, Any], TrainConfig]:
+    """The config as the run records it (config.yaml, checkpoints): with the architecture actually built (model=hf
+    leaves it to config.json), so export and resume can rebuild it."""
+    resolved = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, model_type=spec.model_type, tokenizer=tokenizer or "none", arch=dataclasses.asdict(model_args)))
+    return OmegaConf.to_container(OmegaConf.structured(resolved)), resolved
+
+
+def continues(run_dir: RunDir, run_config: dict[str, Any], global_batch: int, cfg: TrainConfig,
+              dims: parallelisms.ParallelDims) -> bool:
+    """Whether there is anything to train: a resume (or a restart of a run that wrote no checkpoint) must train
+    what the run trained (its checkpoint's config, else its config.yaml); a finished run says so (False)."""
+    start = run_dir.start
+    source = start.checkpoint or run_dir.path / "config.yaml"
+    if start.state is not None or start.previous_config is not None:
+        check_resumed_config(start.state or {"config": start.previous_config}, run_config, global_batch,
+                             cfg.train.allow_changes, source, dims.rank == 0)
+    done = start.state["step"] if start.state is not None else 0
+    if start.record is not None and start.record.finished and (start.state is None or done >= cfg.train.steps):
+        if dims.rank == 0:
+            logger.info("run %s is finished (step %d of train.steps=%d; its checkpoints: %s): nothing to do. To "
+                        "train on, raise train.steps with train.allow_changes=[train.steps], or start afresh in "
+                        "another train.output_dir", run_dir.path, start.record.step, cfg.train.steps,
+                        run_dir.start.checkpoint or "none")
+        return False
+    if start.state is None and start.previous_config is not None and dims.rank == 0:
+        logger.info("train.resume=auto: the run in %s wrote no checkpoint (under %s); its config matches, "
+                    "starting it again from step 1", run_dir.path, run_dir.ckpt_root)
+    return True
+
+
+def mixed_bf16(cfg: TrainConfig, dev_type: str) -> bool:
+    return cfg.train.mixed_precision == "bf16" or (cfg.train.mixed_precision == "auto" and dev_type != "cpu")
+
+
+def build_model(cfg: TrainConfig, spec: models.ModelSpec, model_args: Any, dims: parallelisms.ParallelDims,
+                dev: torch.device, dev_type: str, load_init_from: bool) -> tuple[torch.nn.Module, tuple[int, int], Any]:
+    """Build on meta, shard, then materialise (no rank ever holds the full model in memory): initialised, or
+    model.init_from's weights (``load_init_from``; a resume loads its checkpoint later); then the kernels.
+    Returns the model, its (total, active) parameter counts and the kernel choices."""
+    bf16 = mixed_bf16(cfg, dev_type)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    param_counts = spec.parameter_counts(model)
+    if cfg.train.float8 != "none":  # on meta, before parallelize: AC, EP and FSDP wrap the FP8 modules as any others
+        apply_float8(model, spec, cfg.train.float8, dev_type)
+    model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
+                                           torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher,
+                                           compile_blocks=cfg.train.compile)
+    model.to_empty(device=dev)
+    if cfg.model.init_from is not None and load_init_from:
+        load_hf_into_model(model, cfg.model.init_from)  # each rank reads only the slices it owns
+    else:
+        model.init_weights()  # every parameter; the rotary tables are computed per call, so no buffers
+    model.train()
+    kernels = select_kernels(cfg.kernel_config, dev_type)  # a missing requested package fails here, on every rank
+    slots = apply_kernels(model, kernels)
+    if dims.rank == 0:
+        kernels.log(logger)
+        delta_rule = kernels.choices["chunk_gated_delta_rule"]
+        if dev_type == "cuda" and slots.get("chunk_gated_delta_rule") and delta_rule.impl == "torch":
+            logger.warning("Gated DeltaNet runs its torch reference (about half the speed of FLA's kernel: %s); "
+                           "for speed: pip install '.[gpu]' with triton >= 3.7.1 (torch >= 2.12.1) and "
+                           "kernel_config=auto_fla", delta_rule.reason)
+    return model, param_counts, kernels
+
+
+def build_data(cfg: TrainConfig, dims: parallelisms.ParallelDims, tokenizer: str | None, vocab_size: int):
+    """The training loader and the held-out batches (cp-sharded once: every eval step reads the same ones)."""
+    loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
+                               dp_rank=dims.dp_rank, dp_size=dims.dp, tokenizer=tokenizer, model_vocab_size=vocab_size)
+    val_batches = ([context_shard(b, dims.cp_rank, dims.cp) for b in loader.validation.batches(cfg.train.eval_batches)]
+                   if cfg.train.eval_every else [])
+    return loader, val_batches
+
+
+def restore(start: Start, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, dev_type: str,
+            dims: parallelisms.ParallelDims, tokens_per_step: int, allow_changes: list[str]) -> tuple[int, int, int]:
+    """The resumed checkpoint's model, optimizer, data position and RNG (a fresh run: nothing); returns the first
+    step, the schedule's position and the tokens trained so far. ``allow_changes``: train.allow_changes (a changed
+    data identity is refused unless it names the data)."""
+    if start.checkpoint is None:
+        return 1, 0, 0
+    state = start.state
+    load_checkpoint(start.checkpoint, model, optimizer, state.get("files"))
+    loader.load_state_dict(state["loader"], allow_changes)
+    set_rng_state(state["rng"], dev_type)
+    if dims.rank == 0:
+        logger.info("resumed from %s at step %d", start.checkpoint, state["step"])
+    # tokens_total is recorded since issue 21: older checkpoints trained every step at this batch
+    tokens_total = state.get("tokens_total", state["step"] * tokens_per_step)
+    return state["step"] + 1, state["scheduler"]["last_epoch"], tokens_total
+
+
+def begin(run_dir: RunDir, run_config: dict[str, Any], cfg: TrainConfig, dims: parallelisms.ParallelDims,
+          first_step: int) -> MetricLogger:
+    """Only now, with the resume known good, is anything of the run directory rewritten: config.yaml, the
+    record (and what train.discard_newer discards), the metric sinks."""
+    if dims.rank == 0:
+        atomic_write_text(run_dir.path / "config.yaml", rerunnable_config(run_config))
+    run_dir.begin(first_step - 1, dims.rank == 0)
+    return MetricLogger(run_dir.path, cfg.logging, enabled=dims.rank == 0,
+                        keep_until=first_step - 1 if run_dir.start.checkpoint else None, run_config=run_config)
+
+
+# ------------------------------------------------------------------------------------------ the loop's parts
+class Rates(NamedTuple):
+    tokens_per_step: int
+    world_size: int
+    flops_per_token: float
+    peak_tflops: float | None
+
+
+def step_metrics(step: int, result: StepResult, lr: float, rates: Rates, attended: float, tokens_total: int,
+                 step_time: float, data_time: float, dev_type: str) -> dict[str, Any]:
+    """``attended``: FLOPs per token over the attention pairs the step's windows computed (docs/benchmarks.md)."""
+    tokens = rates.tokens_per_step
+    per_device = tokens / step_time / rates.world_size
+    return {
+        "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "z_loss": result.z_loss,
+        "grad_norm": result.grad_norm,
+        "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens, "tokens_total": tokens_total,
+        "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
+        "tflops_per_device": per_device * rates.flops_per_token / 1e12,
+        "mfu": per_device * rates.flops_per_token / (rates.peak_tflops * 1e12) if rates.peak_tflops else None,
+        "attended_tflops_per_device": per_device * attended / 1e12,
+        "attended_mfu": per_device * attended / (rates.peak_tflops * 1e12) if rates.peak_tflops else None,
+        "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
+        "data_time_s": data_time, "data_share": data_time / step_time,
+    }
+
+
+def log_step(metrics: dict[str, Any], result: StepResult, loader, metric_logger: MetricLogger, cfg: TrainConfig,
+             dims: parallelisms.ParallelDims, last: bool, eta: float) -> None:
+    """The step's metric line (every logging.log_every steps, the last, and an eval step), its routing record
+    (every logging.routing_every) and, for a skipped step, a warning."""
+    step = metrics["step"]
+    if metrics["skipped"] and dims.rank == 0:
+        logger.warning("step %d skipped: loss=%s, grad_norm=%s: not finite, no update (train.nonfinite=skip)",
+                       step, result.loss, result.grad_norm)
+    log_now = step % cfg.logging.log_every == 0 or last or "val_loss" in metrics
+    record_routing = cfg.logging.routing_every > 0 and step % cfg.logging.routing_every == 0
+    if log_now or record_routing:  # one all-reduce and one small copy to the host, shared by log and record
+        routing_LX = reduce_routing(result.routing_LX, dims.data_group)
+    if record_routing:
+        metric_logger.log_routing(step, routing_LX)
+    if log_now:
+        metrics.update(moe_metrics(routing_LX))
+        metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
+        metric_logger.log(metrics)
+        if dims.rank == 0:
+            logger.info(progress_line(metrics, cfg.train.steps, eta))
+
+
+def finish(run_dir: RunDir, model: torch.nn.Module, spec: models.ModelSpec, tokenizer: str | None,
+           cfg: TrainConfig, dims: parallelisms.ParallelDims, checkpoint: Callable[[int], Path],
+           saved_at: int | None, last_step: int) -> None:
+    """Every step trained: a checkpoint at the last step (checkpoint.at_end, unless one was just saved) before the
+    final weights, so that weights which cannot be written lose nothing; then the weights and the HF export."""
+    if cfg.train.save_final:
+        kept = Path(run_dir.record.checkpoint) if saved_at == last_step else None
+        if saved_at != last_step and cfg.checkpoint.at_end and last_step > 0:
+            kept = checkpoint(last_step)
+        try:
+            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.rank == 0)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; " + (f"the trained state is in checkpoint {kept}: make room and run again "
+                                              "with train.resume=auto to write the weights" if kept else
+                                              "no checkpoint holds the last step (checkpoint.at_end=false)")) from e
+    if cfg.checkpoint.export_hf_at_end:
+        export_hf(model, spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(tokenizer))
+    run_dir.finished(last_step, dims.rank == 0)
+
+
+class ManualGC:
+    """train.gc_every: Python's automatic GC pauses one rank at a time, and every other rank waits on it; instead,
+    young generations only every gc_every steps (as torchtitan: cheap, at the same step on every rank)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        if every:
+            gc.collect()
+            gc.disable()
+
+    def step(self, step: int) -> None:
+        if self.every and step % self.every == 0:
+            gc.collect(1)
+
+    def restore(self) -> None:
+        if self.every:
+            gc.enable()
+
+
 class StopSignal:
-    """SIGTERM (slurm preemption, torchrun shutdown) asks to stop after the current step; ranks agree."""
+    """SIGTERM (slurm preemption, torchrun shutdown) and a first Ctrl-C (SIGINT) ask to stop after the current
+    step, with a checkpoint; ranks agree. A second Ctrl-C stops at once (KeyboardInterrupt), without one."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, dims: parallelisms.ParallelDims, dev: torch.device) -> None:
         self._dims, self._dev = dims, dev
-        self._flag = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.signum: int | None = None
+        self.path: Path | None = None  # the checkpoint saved on the signal
+        self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "a peer rank's signal"
 
     def _handle(self, signum, frame) -> None:
-        self._flag = True
+        if signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt("a second Ctrl-C: stopped at once, without a checkpoint; train.resume=auto "
+                                    "continues from the last one")
+        self.signum = signum
+        if signum == signal.SIGINT:
+            logger.warning("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)")
 
     def requested(self) -> bool:
         if self._dims.world_size == 1:
-            return self._flag
-        flag = torch.tensor([float(self._flag)], device=self._dev)
+            return self.signum is not None
+        flag = torch.tensor([float(self.signum is not None)], device=self._dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank's signal stops all of them at the same step
         return bool(flag.item())
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
-
-register_schema()
-# conf/config.yaml: Hydra's run directory is train.output_dir when that is set, else a new dated one.
-OmegaConf.register_new_resolver("if_none", lambda value, default: default if value is None else value, replace=True)
+    def raise_if_interrupted(self) -> None:
+        """After a Ctrl-C stop: KeyboardInterrupt, so the process exits 130 as an interrupted command does."""
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt(f"Ctrl-C: stopped after saving checkpoint {self.path}; train.resume=auto "
+                                    "continues from it")
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     with one_line_errors():  # bad input ends with one readable line; HYDRA_FULL_ERROR=1 for the traceback
-        cfg = to_train_config(dict_cfg)
+        cfg = job_config(to_train_config(dict_cfg))
         if needs_torchrun(cfg.launch):
-            from hydra.core.hydra_config import HydraConfig
-
-            check_config(cfg, world_size=cfg.launch.nproc_per_node)  # before any child starts
-            hydra_cfg = HydraConfig.get()
-            primary = next(s for s in hydra_cfg.runtime.config_sources if s.provider == "main")  # conf/ or a run dir
-            relaunch_with_torchrun(cfg.launch, list(hydra_cfg.overrides.task),
-                                   cfg.train.output_dir or hydra_cfg.runtime.output_dir,
-                                   config=(primary.path.removeprefix("file://"), hydra_cfg.job.config_name))
+            relaunch(cfg)
             return
         try:
             run(cfg)
@@ -453,6 +647,57 @@ def main(dict_cfg: DictConfig) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+
+def job_config(cfg: TrainConfig) -> TrainConfig:
+    """This Hydra job's config: a multirun job with train.output_dir set gets its own directory under it (Hydra's
+    sweep directory is train.output_dir: conf/config.yaml)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.train.output_dir is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=hydra_cfg.runtime.output_dir))
+    return cfg
+
+
+def primary_config(hydra_cfg) -> tuple[str, str]:
+    """The primary config's directory (conf/ or a run directory) and name."""
+    primary = next(s for s in hydra_cfg.runtime.config_sources if s.provider == "main")
+    return primary.path.removeprefix("file://"), hydra_cfg.job.config_name
+
+
+def relaunch(cfg: TrainConfig) -> None:
+    """This job under torchrun (launch.nproc_per_node), after every check that needs no process group."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(cfg.train.output_dir or hydra_cfg.runtime.output_dir)
+    start = find_start(cfg.train.resume, cfg.train.discard_newer, checkpoint_root(cfg, run_dir), run_dir)
+    check_config(cfg, world_size=cfg.launch.nproc_per_node, resumed=start.resumed_config)
+    relaunch_with_torchrun(cfg.launch, list(hydra_cfg.overrides.task), str(run_dir), config=primary_config(hydra_cfg),
+                           checkpoints=checkpoint_root(cfg, run_dir))
+
+
+def hydra_run_dir_of(output_dir: str | None, default: str) -> str:
+    """conf/config.yaml's Hydra run (and sweep) directory: train.output_dir when set, else ``default``. Checked
+    here, before Hydra makes it (one line, not Hydra's traceback): a file there, and a run's config.yaml re-run
+    from a directory its train.output_dir no longer names (it would start a run at the old place)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    with one_line_errors():
+        if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
+            raise ValueError(f"train.output_dir={output_dir} is a file, not a directory; name a directory")
+        if HydraConfig.initialized():
+            hydra_cfg = HydraConfig.get()
+            given = any(o.lstrip("+~").split("=")[0] == "train.output_dir" for o in hydra_cfg.overrides.task)
+            check_not_moved(Path(primary_config(hydra_cfg)[0]), None if given else output_dir)
+    return default if output_dir is None else output_dir
+
+
+register_schema()
+OmegaConf.register_new_resolver("run_dir", hydra_run_dir_of, replace=True)
+# The run directory of config.yaml files written before the run_dir resolver.
+OmegaConf.register_new_resolver("if_none", lambda value, default: default if value is None else value, replace=True)
 
 if __name__ == "__main__":
     main()

@@ -52,9 +52,9 @@ def device_type(requested: str = "auto") -> str:
             return "cuda"
         return "npu" if _npu_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
     if requested == "npu" and not _npu_available():
-        raise RuntimeError(f"train.device=npu but torch_npu is missing or sees no NPU; {NPU_EXTRA}")
+        raise ValueError(f"train.device=npu but torch_npu is missing or sees no NPU; {NPU_EXTRA}")
     return requested
 
 

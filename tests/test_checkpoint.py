@@ -17,6 +17,7 @@ import torch
 import train
 from tests.conftest import TINY_MODEL, write_tokens
 from training import checkpoint as ckpt
+from training.run_dir import find_start
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,8 +47,8 @@ def test_keep_last_n_and_auto_resume_picks_the_newest_complete(tiny_run_config, 
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004", "step_00000005"]
     # A crash mid-save leaves a temporary directory: it does not count.
     (root / ".tmp-step_00000006").mkdir()
-    assert ckpt.resolve_resume("auto", root, root.parent).name == "step_00000005"
-    assert ckpt.resolve_resume("auto", tmp_path / "nothing-here", tmp_path) is None
+    assert find_start("auto", False, root, root.parent).checkpoint.name == "step_00000005"
+    assert find_start("auto", False, tmp_path / "nothing-here", tmp_path / "empty").checkpoint is None
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_usable(tiny_run_config, monkeypatch):

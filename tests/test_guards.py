@@ -151,6 +151,10 @@ def _as_if_killed_after(run_dir: Path, step: int) -> None:
     (run_dir / "model.safetensors").unlink(missing_ok=True)
     metrics = run_dir / "metrics.jsonl"
     metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:step]))
+    record = json.loads((run_dir / "run.json").read_text())  # the run's record, as of that checkpoint
+    newest = ckpt.step_dirs(run_dir / "checkpoints")[-1]
+    (run_dir / "run.json").write_text(json.dumps({**record, "step": step, "finished": False,
+                                                  "checkpoint": str(newest)}))
 
 
 def test_a_token_shard_changed_under_a_resume_is_refused_and_old_checkpoints_warn(tiny_run_config, tmp_path, caplog):

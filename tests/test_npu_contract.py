@@ -249,7 +249,7 @@ def test_device_module_on_an_npu(npu_device: FakeTorchNpu) -> None:
     npu_device.npu.available = False
     device.device_type.cache_clear()
     assert device.device_type("auto") == "cpu"
-    with pytest.raises(RuntimeError, match=r"train.device=npu but torch_npu is missing or sees no NPU; "
+    with pytest.raises(ValueError, match=r"train.device=npu but torch_npu is missing or sees no NPU; "
                                            r"pip install '\.\[npu\]' \(torch-npu of torch's own version, with its "
                                            r"CANN"):
         device.device_type("npu")

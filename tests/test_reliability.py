@@ -31,6 +31,10 @@ def trained(tmp_path_factory) -> Path:
                               f"data.cache_dir={base / 'cache'}", f"train.output_dir={base / 'run'}",
                               "train.local_batch_size=4", "logging.tensorboard=false", "train.steps=4",
                               "checkpoint.interval=2", "train.device=cpu"]))
+    # As if stopped after its last checkpoint (SIGTERM at step 4): a resume loads step 4 rather than finding the
+    # run finished.
+    record = json.loads((base / "run" / "run.json").read_text())
+    (base / "run" / "run.json").write_text(json.dumps({**record, "finished": False}))
     return base
 
 
@@ -134,16 +138,17 @@ def test_a_checkpoint_from_before_a_key_existed_resumes_at_its_default(config, r
             del state["config"][group][key]
     (step2 / ckpt.TRAIN_STATE).write_text(json.dumps(state))
     with pytest.raises(ValueError, match=r"model\.arch\.router_z_loss_coef: 0\.0 -> 0\.01.*allow_changes"):
-        train.run(config("train.steps=4", f"train.resume={step2}", "model.arch.router_z_loss_coef=0.01"))
-    resumed = train.run(config("train.steps=4", f"train.resume={step2}"))
+        train.run(config("train.steps=4", f"train.resume={step2}", "train.discard_newer=true",
+                         "model.arch.router_z_loss_coef=0.01"))
+    resumed = train.run(config("train.steps=4", f"train.resume={step2}", "train.discard_newer=true"))
     assert [m["step"] for m in resumed] == [3, 4]
 
 
 def test_execution_settings_may_change_and_are_listed(config, run_dir, caplog):
     step2 = run_dir / "checkpoints" / "step_00000002"
     with caplog.at_level("INFO", logger="train"):
-        resumed = train.run(config("train.steps=4", f"train.resume={step2}", "train.gc_every=7",
-                                            "logging.log_every=2"))
+        resumed = train.run(config("train.steps=4", f"train.resume={step2}", "train.discard_newer=true",
+                                   "train.gc_every=7", "logging.log_every=2"))
     assert [m["step"] for m in resumed] == [3, 4]
     assert "train.gc_every: 50 -> 7" in caplog.text and "logging.log_every: 1 -> 2" in caplog.text
 
@@ -157,7 +162,7 @@ def test_a_deliberate_lr_or_steps_change_follows_the_new_schedule_from_the_first
     steps = 8 if key == "train.steps" else 4
     lr = 1e-3 if key == "optim.lr" else 3e-3
     resumed = train.run(tiny_run_config(f"train.steps={steps}", "optim.warmup_steps=1", f"train.resume={step2}",
-                                        override, f"train.allow_changes=[{key}]"))
+                                        "train.discard_newer=true", override, f"train.allow_changes=[{key}]"))
     assert [m["step"] for m in resumed] == list(range(3, steps + 1))
     for m in resumed:  # lr(step) = new optim.lr x multiplier(updates so far; new total)
         assert m["lr"] == lr * lr_multiplier(m["step"] - 1, OptimConfig(warmup_steps=1, min_lr_ratio=0.1), steps)
@@ -195,7 +200,8 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(config, run_dir
     reference = metrics.read_text().splitlines()
     metrics.write_text("\n".join(reference[:3]) + '\n{"step": 4, "lo')  # killed mid-line after step 3
     with caplog.at_level("WARNING", logger="train"):
-        train.run(config("train.steps=4", f"train.resume={run_dir / 'checkpoints' / 'step_00000002'}"))
+        train.run(config("train.steps=4", f"train.resume={run_dir / 'checkpoints' / 'step_00000002'}",
+                         "train.discard_newer=true"))
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4] and "dropping an unreadable line" in caplog.text
     assert [m["loss"] for m in lines] == [json.loads(line)["loss"] for line in reference]
@@ -210,7 +216,7 @@ def test_a_checkpoint_without_record_or_config_resumes_with_warnings(config, run
     state_file.write_text(json.dumps(state))
     reference = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     with caplog.at_level("WARNING", logger="train"):
-        resumed = train.run(config("train.steps=4", f"train.resume={state_file.parent}"))
+        resumed = train.run(config("train.steps=4", f"train.resume={state_file.parent}", "train.discard_newer=true"))
     assert [m["loss"] for m in resumed] == reference[2:]
     assert "has no file record" in caplog.text and "records no config" in caplog.text
 
@@ -315,7 +321,8 @@ def test_an_error_inside_torchrun_children_is_one_line(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     shard = next((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    out = _cli(tmp_path, "train.steps=2", "train.resume=auto", "launch.nproc_per_node=2", "parallel=fsdp2",
+    out = _cli(tmp_path, "train.steps=3", "train.allow_changes=[train.steps]", "train.resume=auto",
+               "launch.nproc_per_node=2", "parallel=fsdp2",
                "train.local_batch_size=1")
     assert out.returncode == 1
     assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -18,6 +18,8 @@ A resume is exact or refuses (``CheckpointError``, one message naming the file a
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import io
 import json
 import logging
@@ -66,6 +68,9 @@ class CheckpointConfig:
     dir: str | None = None  # None: <run_dir>/checkpoints
     keep_last: int = 3  # complete checkpoints kept (older ones are deleted)
     export_hf_at_end: bool = False  # also write <run_dir>/hf (sharded safetensors + config.json)
+    # With train.save_final: a checkpoint at the last step too, written before the final weights, so a run whose
+    # weights cannot be written (a full disk) still resumes and writes them; false saves its disk space
+    at_end: bool = True
 
 
 # ------------------------------------------------------------------------------------------ safe reading
@@ -152,7 +157,7 @@ def verify_files(path: Path, record: dict[str, dict[str, Any]]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ locating
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
     match = _STEP_DIR.fullmatch(path.name)
     return int(match.group(1)) if match else None
 
@@ -161,7 +166,7 @@ def step_dirs(root: Path) -> list[Path]:
     """Every ``step_NNNNNNNN`` directory under root, complete or not, oldest first."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of)
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -169,41 +174,13 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in step_dirs(root) if (p / TRAIN_STATE).is_file()]
 
 
-def resolve_resume(resume: str, root: Path, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh start; refuses (CheckpointError) rather than guess:
-
-    - ``none``: a fresh start, which must not overwrite a previous run in run_dir;
-    - ``auto``: the newest checkpoint under root, which must be complete (a newer incomplete one is damage, not
-      a crash: saves are atomic); no checkpoint at all is a fresh start;
-    - a path: that checkpoint, which must be complete.
-    """
-    if resume == "none":
-        previous = [p for p in (run_dir / "metrics.jsonl", *step_dirs(root)) if p.exists()]
-        if previous:
-            raise CheckpointError(f"{run_dir} already holds a run ({', '.join(str(p) for p in previous[:3])}); "
-                                  "continue it with train.resume=auto, or start afresh in another train.output_dir")
-        return None
-    if resume == "auto":
-        found = step_dirs(root)
-        if not found:
-            logger.info("train.resume=auto: no checkpoint under %s, starting from step 1", root)
-            return None
-        if not (found[-1] / TRAIN_STATE).is_file():
-            raise CheckpointError(damaged_message(found[-1], f"it has no {TRAIN_STATE}"))
-        return found[-1]
-    path = Path(resume)
-    if not (path / TRAIN_STATE).is_file():
-        raise FileNotFoundError(f"train.resume={resume}: not a complete checkpoint (no {TRAIN_STATE} in it)")
-    return path
-
-
 def damaged_message(path: Path, why: str) -> str:
     """What is wrong with checkpoint ``path`` and the exact way back to the previous complete one."""
-    step = _step_of(path)
-    previous = [p for p in complete_checkpoints(path.parent) if step is not None and _step_of(p) < step]
+    step = step_of(path)
+    previous = [p for p in complete_checkpoints(path.parent) if step is not None and step_of(p) < step]
     fix = (f"to resume from the previous complete checkpoint, move the damaged one aside (mv {path} {path}.damaged) "
-           f"and run again with train.resume=auto, or set train.resume={previous[-1]}" if previous
-           else "no earlier complete checkpoint exists; start afresh in another train.output_dir")
+           f"and run again with train.resume=auto, or set train.resume={previous[-1]} train.discard_newer=true"
+           if previous else "no earlier complete checkpoint exists; start afresh in another train.output_dir")
     return f"checkpoint {path} is damaged: {why}; {fix}"
 
 
@@ -280,14 +257,18 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     _barrier()
     start = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    previous = complete_checkpoints(root)
+    kept = f"; the previous checkpoint {previous[-1]} is intact" if previous else "; no earlier checkpoint exists"
+    with _named_write_failures(f"checkpoint {final}", root, tmp if is_writer else None, kept):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     _barrier()
     written = time.perf_counter()
     files = {name: rec for part in _gather(record_files(_own_files(tmp, dist.get_rank() if dist.is_initialized()
                                                                      else 0))) for name, rec in part.items()}
     recorded = time.perf_counter()
     if is_writer:
-        (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "files": files}))
+        with _named_write_failures(f"checkpoint {final}", root, tmp, kept):
+            (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "files": files}))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete_checkpoints(root)[:-keep_last]:
@@ -296,6 +277,50 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
                     sum(r["bytes"] for r in files.values()) / 2**30, written - start, recorded - written)
     _barrier()
     return final
+
+
+_WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (a file-size limit: "
+                 "ulimit -f)", errno.EDQUOT: "disk quota exceeded"}
+
+
+def write_failure(e: BaseException, what: str, path: Path) -> str | None:
+    """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what
+    it wraps: DCP gathers every rank's exception) is a failed write, else None. torch's zip writer reports a full
+    disk or a file-size limit as ``RuntimeError ... unexpected pos``, without an errno: then the free space says
+    which."""
+    pending, seen = [e], []
+    while pending:
+        cause = pending.pop()
+        if cause is None or any(cause is s for s in seen):
+            continue
+        seen.append(cause)
+        pending += [cause.__cause__, cause.__context__]
+        pending += [failure[0] for failure in getattr(cause, "failures", {}).values()]
+        code = cause.errno if isinstance(cause, OSError) else None
+        if code not in _WRITE_ERRNOS and not (isinstance(cause, RuntimeError) and (
+                "unexpected pos" in str(cause) or "failed writing" in str(cause))):
+            continue
+        where = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+        free = shutil.disk_usage(where).free
+        why = _WRITE_ERRNOS.get(code) or ("no space left on the device" if free < 64 << 20 else
+                                          "file too large (a file-size limit: ulimit -f) or a quota")
+        return f"no space or file too large while writing {what}: {why} ({free / 2**30:.2f} GiB free on {where})"
+    return None
+
+
+@contextlib.contextmanager
+def _named_write_failures(what: str, path: Path, partial: Path | None = None, then: str = "") -> Iterator[None]:
+    """A failed write of ``what`` (to ``path``) as one CheckpointError naming it, the cause and ``then`` (what is
+    left); ``partial`` (a temporary directory) is removed so that it holds no space."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        message = write_failure(e, what, path)
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        if message is None:
+            raise
+        raise CheckpointError(message + then) from e
 
 
 def _check_keys_and_shapes(path: Path, metadata: Metadata, state: dict[str, Any]) -> None:
@@ -373,6 +398,7 @@ def save_model_weights(model: nn.Module, path: Path, is_writer: bool) -> None:
     layouts = save_file_order({name: layout_of(t) for name, t in tensors.items()})
 
     def write(host: Iterator[torch.Tensor]) -> None:
-        atomic_write(path, lambda tmp: write_safetensors(tmp, layouts, host, metadata={"format": "pt"}))
+        with _named_write_failures(str(path), path):
+            atomic_write(path, lambda tmp: write_safetensors(tmp, layouts, host, metadata={"format": "pt"}))
 
     stream_gathered(tensors, layouts, write if is_writer else None)

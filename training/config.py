@@ -76,6 +76,9 @@ class TrainSection:
     output_dir: str | None = None  # run directory; None: Hydra's run directory
     save_final: bool = True  # write the final weights to <run_dir>/model.safetensors
     resume: str = "none"  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
+    # train.resume=<an older checkpoint of this run>: discard the run's newer checkpoints, metric lines and final
+    # weights (removed once the resume has loaded); without it such a resume is refused
+    discard_newer: bool = False
     nonfinite: str = "stop"  # a non-finite loss or gradient norm: stop (raise with a report) | skip (no update)
     gc_every: int = 50  # steps between manual Python GCs (automatic GC off during the loop); 0: automatic GC
     # Validation loss (val_loss) every eval_every steps and at the last (0: off), over the first eval_batches global
@@ -160,6 +163,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(t.float8 == "none" or t.mixed_precision != "fp32",
            f"train.float8={t.float8} computes from bf16 (torch's rowwise FP8 GEMMs write bf16), not "
            "train.mixed_precision=fp32: set train.mixed_precision=auto or bf16, or train.float8=none")
+    _check(0 <= t.seed < 2**32, f"train.seed={t.seed} must be in [0, 2**32) (numpy's and torch's seed range)")
+    _check(not t.discard_newer or t.resume not in ("none", "auto"),
+           f"train.discard_newer=true discards the steps after the checkpoint that train.resume names, and "
+           f"train.resume={t.resume}: name the checkpoint to go back to (train.resume=<run>/checkpoints/step_...)")
     _check(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r} must be stop or skip")
     _check(t.gc_every >= 0, f"train.gc_every={t.gc_every} must be >= 0 (0: Python's automatic GC)")
     _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: no validation)")
@@ -225,12 +232,21 @@ def _check_schedule(o: OptimConfig, steps: int) -> None:
            "or optim.decay_fraction")
 
 
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that are valid but probably not meant (a short smoke run may mean them), one line each."""
+    o, steps = cfg.optim, cfg.train.steps
+    return ([f"optim.warmup_steps={o.warmup_steps} is more than train.steps={steps}: the lr rises for the whole run "
+             f"and never reaches optim.lr={o.lr:g}; lower optim.warmup_steps (or raise train.steps)"]
+            if 0 < steps < o.warmup_steps else [])
+
+
 # What a resume may change freely: where and how the run executes, not what it trains. Any other difference from
 # the checkpoint's config (the model, the data, the optimizer and schedule, the seed, the global batch) refuses
 # to resume unless train.allow_changes names it.
 _EXECUTION_KEYS = ("parallel", "dispatcher", "kernel_config", "launch", "logging", "checkpoint", "model.name",
                    "model.init_from", "data.cache_dir", "train.resume", "train.allow_changes", "train.output_dir",
                    "data.allow_special_only",  # only whether such a corpus is refused: the data itself is compared
+                   "train.discard_newer",
                    "train.device", "train.mixed_precision", "train.gc_every", "train.save_final", "train.nonfinite",
                    "train.local_batch_size", "train.grad_accum_steps",
                    # like mixed_precision: how the same weights are computed, not what is trained

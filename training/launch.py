@@ -5,7 +5,10 @@ each job as its own torchrun, one after another), and end a failed run with one 
 Errors: bad input and refused actions (``ONE_LINE_ERRORS``) end the process with ``error: <message>`` and exit
 code 1 instead of a traceback; ``HYDRA_FULL_ERROR=1`` re-raises them with their tracebacks. Under torchrun the
 message also goes to torchrun's per-child error file, so torchrun's failure summary shows it, and the relaunching
-process prints the first failed child's message as its own one line (the children stay quiet).
+process prints the first failed child's message as its own one line (the children stay quiet). A child killed by
+a signal is named with the signal and the checkpoint that resumes the run; the other children's gloo errors about
+their lost peer are one line each in torchrun's error files, not tracebacks. Ctrl-C (KeyboardInterrupt) ends with
+``interrupted: <message>`` and exit code 130.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.checkpoint import CheckpointError
+from training.checkpoint import CheckpointError, complete_checkpoints
 
 _RELAUNCHED = "QWEN_MOE_RELAUNCHED"  # set for the children of relaunch_with_torchrun
 
@@ -46,10 +50,18 @@ def one_line_errors() -> Iterator[None]:
     """Turn ONE_LINE_ERRORS into ``error: <message>`` and exit code 1 (see the module docstring)."""
     try:
         yield
-    except ONE_LINE_ERRORS as e:
+    except KeyboardInterrupt as e:  # Ctrl-C (train.py's StopSignal says how far it got): one line, exit code 130
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        message = str(e) if isinstance(e, (LaunchError, CheckpointError)) else f"{type(e).__name__}: {e}"
+        if not os.environ.get(_RELAUNCHED) and int(os.environ.get("RANK", 0)) == 0:
+            print(f"interrupted: {e or 'Ctrl-C'}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except Exception as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or not (isinstance(e, ONE_LINE_ERRORS) or _lost_peer(e)):
+            raise
+        message = (str(e) if isinstance(e, (LaunchError, CheckpointError)) else
+                   f"lost a peer rank (its process ended): {str(e).splitlines()[0]}" if _lost_peer(e) else
+                   f"{type(e).__name__}: {e}")
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchrun reads it; its summary then shows this message instead of a bare exit code
             Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
@@ -58,10 +70,21 @@ def one_line_errors() -> Iterator[None]:
         sys.exit(1)
 
 
-def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str, config: tuple[str, str]) -> None:
+# How gloo reports a peer whose process died mid-collective: the survivors' side of a killed rank, which the
+# launcher reports (failure_line), not a bug of theirs to show a traceback for.
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer")
+
+
+def _lost_peer(e: Exception) -> bool:
+    return isinstance(e, RuntimeError) and "WORLD_SIZE" in os.environ and any(m in str(e) for m in _LOST_PEER)
+
+
+def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str, config: tuple[str, str],
+                           checkpoints: Path) -> None:
     """Run ``train.py <overrides>`` under torchrun on this node with the same primary config (``config``: its
     directory and name), writing into this job's run directory; a failure raises LaunchError with the first failed
-    child's message."""
+    child's message, or, when a child was killed by a signal, which one and how (and the checkpoint under
+    ``checkpoints`` that resumes)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -79,12 +102,34 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
     try:
         run(parse_args(args))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        if not message or message.startswith("To enable traceback"):
-            message = "its traceback is above"
-        raise LaunchError(f"rank {rank} of the torchrun job failed (exit code {failure.exitcode}): {message}") from None
+        raise LaunchError(failure_line(e.failures, checkpoints)) from None
     finally:
         del os.environ[_RELAUNCHED]
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+
+
+def failure_line(failures: dict, checkpoints: Path) -> str:
+    """One line for a failed torchrun job (``failures``: ChildFailedError's, rank -> ProcessFailure). torchrun stops
+    the other ranks with SIGTERM once one fails (and reports them so), so the cause is, in this order: a rank killed
+    by another signal (the others only lost their peer), with the checkpoint that resumes the run; else the first
+    rank that exited with an error, with its own message; else a SIGTERM that reached the job itself."""
+    killed = sorted((f.timestamp, rank) for rank, f in failures.items()
+                    if f.exitcode < 0 and f.exitcode != -signal.SIGTERM)
+    errored = [rank for rank, f in failures.items() if f.exitcode > 0]
+    if not killed and not errored:
+        killed = sorted((f.timestamp, rank) for rank, f in failures.items())
+    if killed:
+        rank = killed[0][1]
+        code = -failures[rank].exitcode
+        newest = complete_checkpoints(checkpoints)
+        resume = (f"train.resume=auto continues from the last checkpoint, {newest[-1]}" if newest else
+                  f"no checkpoint was written under {checkpoints}; train.resume=auto starts the run again")
+        return (f"rank {rank} of the torchrun job was killed by {signal.Signals(code).name} (signal {code}); the "
+                f"other ranks were stopped with it; {resume}")
+    rank = min(errored, key=lambda r: failures[r].timestamp)
+    failure = failures[rank]
+    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    if not message or message.startswith("To enable traceback"):
+        message = "its traceback is above"
+    return f"rank {rank} of the torchrun job failed (exit code {failure.exitcode}): {message}"

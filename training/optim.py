@@ -1,4 +1,5 @@
-"""AdamW (torch's, or with bf16 moments) and the learning-rate schedules: warmup, then cosine, warmup-stable-decay or constant."""
+"""AdamW (torch's, or with bf16 moments) and the learning-rate schedules: warmup, then cosine, warmup-stable-decay
+or constant."""
 
 from __future__ import annotations
 
