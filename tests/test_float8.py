@@ -30,6 +30,40 @@ from training.config import TrainConfig, validate
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (pip install torchao)")
 
+# torch < 2.13's CPU torch._scaled_mm (oneDNN) takes per-tensor scales only, and torchao's rowwise Float8Linear
+# passes per-row ones: there the CPU tests run _scaled_mm's maths emulated (the cpu_scaled_mm fixture), which
+# test_the_scaled_mm_emulation_matches_torch_s_cpu_kernel checks against torch's own CPU kernel where it has one.
+TORCH_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+CPU_ROWWISE_SCALED_MM = TORCH_VERSION >= (2, 13)
+
+
+def _scaled_mm_emulated(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
+                        use_fast_accum=False):
+    """torch._scaled_mm's result: (a * scale_a) @ (b * scale_b) (+ bias) (x scale_result) in fp32 (the fp8 values
+    times power-of-2 scales are exact there), rounded once to out_dtype."""
+    out = (a.float() * scale_a) @ (b.float() * scale_b)
+    if bias is not None:
+        out = out + bias.float()
+    if scale_result is not None:
+        out = out * scale_result
+    return out.to(out_dtype or a.dtype)
+
+
+@pytest.fixture
+def cpu_scaled_mm(monkeypatch):
+    """Rowwise torch._scaled_mm on CPU for torch < 2.13 (emulated), torch's own elsewhere."""
+    if CPU_ROWWISE_SCALED_MM:
+        return
+    native = torch._scaled_mm
+
+    def scaled_mm(a, b, scale_a, scale_b, *args, **kwargs):
+        if a.device.type == "cpu" and (scale_a.numel() > 1 or scale_b.numel() > 1):
+            return _scaled_mm_emulated(a, b, scale_a, scale_b, *args, **kwargs)
+        return native(a, b, scale_a, scale_b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+
+
 # e4m3 keeps 3 mantissa bits: round to nearest is within U_E4M3 relative for normal values, within SUB_E4M3 absolute
 # (half the subnormal spacing 2^-9) below the smallest normal 2^-6; both on the scaled value. bf16 output: U_BF16.
 U_E4M3, SUB_E4M3, U_BF16 = 2.0**-4, 2.0**-10, 2.0**-8
@@ -316,6 +350,7 @@ def test_nothing_faster_or_an_unknown_gpu_warns_and_runs_bf16(gpu, table, caplog
 
 @needs_torchao
 @pytest.mark.parametrize("model_type,arch", [("qwen3_moe", QWEN3), ("qwen3_5_moe", QWEN35)])
+@pytest.mark.usefixtures("cpu_scaled_mm")
 def test_apply_float8_keeps_the_state_dict_and_trains_close_to_bf16(model_type: str, arch: dict) -> None:
     from torchao.float8.float8_linear import Float8Linear
 
@@ -345,6 +380,7 @@ def test_apply_float8_keeps_the_state_dict_and_trains_close_to_bf16(model_type: 
 
 
 @needs_torchao
+@pytest.mark.usefixtures("cpu_scaled_mm")
 def test_converted_on_meta_as_train_py_does_it_initialises_the_same_weights() -> None:
     spec = models.get_spec("qwen3_moe")
     args = models.build_args("qwen3_moe", QWEN3)
@@ -363,9 +399,10 @@ def test_converted_on_meta_as_train_py_does_it_initialises_the_same_weights() ->
 
 
 @needs_torchao
+@pytest.mark.usefixtures("cpu_scaled_mm")
 def test_float8_linear_runs_on_cpu_with_the_same_rowwise_quantisation() -> None:
-    """torchao's rowwise Float8Linear (torch 2.13 runs its _scaled_mm on CPU): x per row, w per output row, both
-    over the in-features, exactly the scales of kernels.float8_grouped_mm; bf16 output."""
+    """torchao's rowwise Float8Linear (torch >= 2.13 runs its _scaled_mm on CPU; cpu_scaled_mm before): x per row,
+    w per output row, both over the in-features, exactly the scales of kernels.float8_grouped_mm; bf16 output."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
@@ -375,6 +412,18 @@ def test_float8_linear_runs_on_cpu_with_the_same_rowwise_quantisation() -> None:
     y = linear(x)
     want = (_dequant(x, 1) @ _dequant(linear[0].weight.detach(), 1).T).to(torch.bfloat16)
     torch.testing.assert_close(y, want, rtol=2 * U_BF16, atol=1e-6)
+
+
+@pytest.mark.skipif(not CPU_ROWWISE_SCALED_MM, reason="torch < 2.13 has no rowwise _scaled_mm on CPU")
+def test_the_scaled_mm_emulation_matches_torch_s_cpu_kernel() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(24, 64, generator=gen) * 8).to(FP8)
+    b = (torch.randn(48, 64, generator=gen) * 8).to(FP8).t()  # column-major, as torchao passes the weight
+    scale_a, scale_b = torch.exp2(torch.randint(-4, 4, (24, 1), generator=gen).float()), torch.full((1, 48), 0.25)
+    for sa, sb in ((scale_a, scale_b), (torch.tensor(0.5), torch.tensor(2.0))):
+        want = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        torch.testing.assert_close(_scaled_mm_emulated(a, b, sa, sb, out_dtype=torch.bfloat16), want,
+                                   rtol=2 * U_BF16, atol=0)  # fp32 sums in another order, one bf16 rounding
 
 
 # ------------------------------------------------------------------------------------------ config and device
@@ -436,6 +485,7 @@ def test_missing_torchao_names_the_install(monkeypatch) -> None:
 
 @needs_torchao
 @pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.usefixtures("cpu_scaled_mm")
 def test_activation_checkpointing_recomputes_the_fp8_blocks_exactly(mode: str) -> None:
     from parallelisms.activation_checkpoint import apply_activation_checkpointing
 
@@ -515,6 +565,7 @@ def test_every_ep_dispatcher_runs_the_fp8_experts_like_one_process() -> None:
 
 @needs_torchao
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU emulation through train.py (train.device=auto)")
+@pytest.mark.usefixtures("cpu_scaled_mm")
 def test_train_py_runs_saves_and_resumes_an_fp8_run_like_a_bf16_one(tiny_run_config, tmp_path, monkeypatch) -> None:
     """train.py's call, on the CPU: the device check is the only thing bypassed (the emulated GEMMs run), and the
     table is a fixture in which FP8 is faster at every shape. Resuming from step 2 reproduces steps 3-4 exactly; the
