@@ -179,6 +179,51 @@ def check_linears(tokens: int, dev: torch.device, compile_too: bool) -> None:
         print(f"  {name:28s} {d_in:5d} -> {d_out:5d}  rel vs fp32: {errs}\n  {'':28s} fwd+bwd {times}")
 
 
+def check_gather(tokens: int, experts: int, top_k: int, d_in: int, d_out: int, dev: torch.device) -> bool:
+    """The dispatch gather fused with the FP8 quantisation (kernels/float8_permute.py): the Triton kernel's e4m3
+    rows and scales against its torch reference (exactly), the fused gather + quantise against gather, padded copy
+    and quantise, and the experts' first GEMM end to end (fwd+bwd): bf16 gather + grouped GEMM, gather + FP8
+    GEMM, the fused FP8 GEMM (forward and gradients equal to the unfused one)."""
+    from kernels.float8_grouped_mm import torchao_quantizers
+    from kernels.float8_permute import float8_grouped_mm_gathered, gather_quantize_rows_torch
+    from kernels.permute import inverse_permutation, permute_tokens
+    from kernels.triton_permute import gather_quantize_rows
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    src = torch.randn(tokens, d_in, generator=gen, device=dev).bfloat16()
+    experts_NK = torch.stack([torch.randperm(experts, generator=gen, device=dev)[:top_k] for _ in range(tokens)])
+    order = torch.argsort(experts_NK.flatten(), stable=True)
+    inv, token = inverse_permutation(order), order // top_k
+    counts = experts_NK.flatten().bincount(minlength=experts)
+    dest, _, rows = padded_layout(counts, token.numel())
+    index_P = token.new_full((rows,), -1).index_copy(0, dest, token)
+    data, scale = gather_quantize_rows(src, index_P)
+    want_data, want_scale = gather_quantize_rows_torch(src, index_P)
+    ok = bool(torch.equal(data.view(torch.uint8), want_data.view(torch.uint8)) and torch.equal(scale, want_scale))
+    print(f"gather + quantise, {tokens} tokens x top-{top_k} over {experts} experts, {d_in} -> {d_out}: Triton vs "
+          f"reference {'exact' if ok else 'DIFFERENT'}")
+    rows_q = torchao_quantizers().rows
+    fused = device.time_ms("cuda", lambda: gather_quantize_rows(src, index_P))
+    apart = device.time_ms("cuda", lambda: rows_q(src.new_zeros(rows, d_in).index_copy(0, dest, src[token])))
+    print(f"  forward: fused {fused:.3f} ms, gather + padded copy + torchao quantise {apart:.3f} ms "
+          f"({apart / fused:.2f}x)")
+    w_Gio = (torch.randn(experts, d_out, d_in, generator=gen, device=dev) * d_in**-0.5).bfloat16().transpose(1, 2)
+    grad = torch.randn(token.numel(), d_out, generator=gen, device=dev).bfloat16()
+    x, w = src.detach().requires_grad_(), w_Gio.detach().requires_grad_()
+    host = counts.tolist()
+    variants = {"bf16 gather + grouped GEMM": lambda: native_grouped_mm(permute_tokens(x, token, inv), w, counts, host),
+                "gather + FP8 GEMM": lambda: float8_grouped_mm(permute_tokens(x, token, inv), w, counts),
+                "fused FP8 GEMM": lambda: float8_grouped_mm_gathered(x, token, inv, w, counts)}
+    outs = [[out, *torch.autograd.grad(out, [x, w], grad)] for out in (variants[k]() for k in list(variants)[1:])]
+    same = all(torch.equal(a, b) for a, b in zip(*outs))
+    ok &= same
+    times = {k: _time_ms(fn, grad, [x, w]) for k, fn in variants.items()}
+    base = times["bf16 gather + grouped GEMM"]
+    print("  fwd+bwd: " + ", ".join(f"{k} {v:.3f} ms ({base / v:.2f}x of bf16)" for k, v in times.items())
+          + f"; fused == unfused: {'yes' if same else 'NO'}")
+    return ok
+
+
 # ---------------------------------------------------------------------------------------- the FP8 table
 
 def table_shapes(presets: list[str], eps: list[int]) -> tuple[set[tuple[int, int]], set[tuple[int, int, int, int]]]:
@@ -307,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             ("qwen3.5-35b-a3b gate_up, ep2 (128 local)", 4 * args.rows, 128, 2048, 2 * 512),
             ("qwen3.5-35b-a3b down, ep2 (128 local)", 4 * args.rows, 128, 512, 2048)]:
         ok &= check_experts(name, rows, experts, i, o, dev)
+    for d_in, d_out, experts in ((2048, 2 * 768, 128), (4096, 2 * 1536, 128)):  # Qwen3-30B-A3B, 235B gate_up
+        ok &= check_gather(args.tokens, experts, 8, d_in, d_out, dev)
     check_linears(args.tokens, dev, not args.no_compile)
     print("all FP8 errors within tolerance" if ok else "FAILED")
     return 0 if ok else 1
