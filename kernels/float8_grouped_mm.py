@@ -25,8 +25,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from kernels.grouped_mm import grouped_mm
-
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 EPS = 1e-12  # torchao's floor on amax: an all-zero row gets a finite scale (and stays zero)
@@ -233,20 +231,3 @@ def float8_grouped_mm_ok(w_Gio: torch.Tensor) -> bool:
     """Whether the fp8 kernel takes these weights: in- and out-features multiples of 16 (16-byte fp8 strides)."""
     return w_Gio.shape[1] % ALIGN == 0 and w_Gio.shape[2] % ALIGN == 0
 
-
-class Float8GroupedMM:
-    """A ``GroupedExperts.grouped_mm`` (``kernels.grouped_mm.grouped_mm``'s call) that runs ``float8_grouped_mm``
-    for weights [G, i, o] whose (i, o) is in ``shapes`` and the installed bf16 kernel for the others: FP8 per GEMM,
-    where it was measured to be faster (``parallelisms.float8``)."""
-
-    def __init__(self, shapes: set[tuple[int, int]]) -> None:
-        self.shapes = frozenset(shapes)
-
-    def __call__(self, x_Mi: torch.Tensor, w_Gio: torch.Tensor, counts_G: torch.Tensor,
-                 counts_host: list[int] | None = None) -> torch.Tensor:
-        if tuple(w_Gio.shape[1:]) in self.shapes:
-            return float8_grouped_mm(x_Mi, w_Gio, counts_G, counts_host)
-        return grouped_mm(x_Mi, w_Gio, counts_G, counts_host)
-
-    def __repr__(self) -> str:
-        return f"Float8GroupedMM({sorted(self.shapes)})"

@@ -1,4 +1,5 @@
-"""The experts' first FP8 grouped GEMM with the dispatch gather fused into its quantisation: the gather that puts
+"""The experts' FP8 grouped GEMMs as the dispatch calls them (``Float8GroupedMM``: FP8 for the measured shapes),
+and the first with the dispatch gather fused into its quantisation: the gather that puts
 the routed rows in expert order writes them as e4m3 rows and their per-row scales, in the padded layout of
 ``kernels.float8_grouped_mm``, so no pass writes or reads the gathered bf16 rows in the forward.
 
@@ -18,10 +19,11 @@ from typing import Callable
 
 import torch
 
-from kernels.float8_grouped_mm import (TORCH_QUANTIZERS, Quantizers, autocast_operands, gemm_backward,
-                                       gemm_forward, implementation, padded_layout)
+from kernels.float8_grouped_mm import (TORCH_QUANTIZERS, Quantizers, autocast_operands, float8_grouped_mm,
+                                       gemm_backward, gemm_forward, implementation, padded_layout)
+from kernels.grouped_mm import grouped_mm
 from kernels.installed import kernel
-from kernels.permute import gather_sum
+from kernels.permute import RoutedRows, gather_sum
 
 
 def gather_rows(src_RD: torch.Tensor, index_P: torch.Tensor) -> torch.Tensor:
@@ -73,3 +75,29 @@ def float8_grouped_mm_gathered(src_RD: torch.Tensor, index_M: torch.Tensor, inv_
         y_Po = _GatheredFloat8GroupedMM.apply(src_RD, index_P, slot_rows, w_Gio, ends_G, quant, gemm,
                                               gather_quantize)
     return y_Po.index_select(0, dest_M)
+
+
+class Float8GroupedMM:
+    """A ``GroupedExperts.grouped_mm`` (``kernels.grouped_mm.grouped_mm``'s call) that runs ``float8_grouped_mm``
+    for weights [G, i, o] whose (i, o) is in ``shapes`` and the installed bf16 kernel for the others: FP8 per GEMM,
+    where it was measured to be faster (``parallelisms.float8``)."""
+
+    def __init__(self, shapes: set[tuple[int, int]]) -> None:
+        self.shapes = frozenset(shapes)
+
+    def __call__(self, x_Mi: torch.Tensor, w_Gio: torch.Tensor, counts_G: torch.Tensor,
+                 counts_host: list[int] | None = None) -> torch.Tensor:
+        if tuple(w_Gio.shape[1:]) in self.shapes:
+            return float8_grouped_mm(x_Mi, w_Gio, counts_G, counts_host)
+        return grouped_mm(x_Mi, w_Gio, counts_G, counts_host)
+
+    def gathered(self, rows: RoutedRows, w_Gio: torch.Tensor, counts_G: torch.Tensor,
+                 counts_host: list[int] | None = None) -> torch.Tensor:
+        """The same product of the rows ``rows`` gathers: for an FP8 shape the gather fused into the
+        quantisation (``float8_grouped_mm_gathered``), else the gather, then the bf16 kernel."""
+        if tuple(w_Gio.shape[1:]) in self.shapes:
+            return float8_grouped_mm_gathered(*rows, w_Gio, counts_G)
+        return grouped_mm(rows.gather(), w_Gio, counts_G, counts_host)
+
+    def __repr__(self) -> str:
+        return f"Float8GroupedMM({sorted(self.shapes)})"

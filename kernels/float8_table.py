@@ -9,14 +9,17 @@ Format (``kernels/float8_table.json``)::
         "measured": {"torch": "2.11.0", "torchao": "0.18.0", "date": "...", "command": "..."},
         "linears": [{"in": 2048, "out": 4096, "tokens": 16384,
                      "bf16_ms": 1.0, "fp8_ms": 1.2, "bf16_compiled_ms": 1.0, "fp8_compiled_ms": 0.9}, ...],
-        "experts": [{"in": 2048, "out": 1536, "groups": 128, "rows": 131072,
-                     "bf16_ms": 2.0, "fp8_ms": 5.0, "bf16_compiled_ms": 2.0, "fp8_compiled_ms": 4.8}, ...]}}}
+        "experts": [{"in": 2048, "out": 1536, "groups": 128, "rows": 131072, "gathered": true,
+                     "bf16_ms": 2.0, "fp8_ms": 5.0}, ...]}}}
 
 A linear is ``nn.Linear(in, out)`` on ``tokens`` rows (bf16: ``F.linear``; FP8: torchao's rowwise
 ``Float8Linear``); an experts entry is one grouped GEMM of ``groups`` local experts, ``[rows, in] x [in, out]`` per
 group, on an uneven load (bf16: ``kernels.grouped_mm``'s ``torch._grouped_mm``; FP8:
-``kernels.float8_grouped_mm.float8_grouped_mm``, padding and quantisers included). Times are means in ms of one
-forward + backward; ``null`` where that variant failed to run. A lookup matches ``in``, ``out`` (and ``groups``)
+``kernels.float8_grouped_mm.float8_grouped_mm``, padding and quantisers included); ``gathered`` (the experts'
+first GEMM, whose rows come from the dispatch gather): the gather of the rows from rows / top-k tokens included
+(bf16: ``permute_tokens``, then the GEMM; FP8: ``kernels.float8_permute``'s GEMM fused with it). Experts entries
+have eager times only: ``train.compile`` leaves the experts eager. Times are means in ms of one forward +
+backward; ``null`` (or absent) where that variant was not run. A lookup matches ``in``, ``out`` (and ``groups``)
 exactly and takes the entry measured at the nearest ``tokens`` (``rows``) on a log scale.
 """
 

@@ -22,7 +22,7 @@ what its own unpermute reads.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -139,6 +139,19 @@ class _Unpermute(torch.autograd.Function):
                     else unpermute_backward_torch)
         grad_y, grad_w = backward(grad_ND, y_MD, weights_NK, order_M, inv_M, *ctx.needs_input_grad[:2])
         return grad_y, grad_w, None, None, None
+
+
+class RoutedRows(NamedTuple):
+    """Routed rows ``src_RD[index_M]`` before the gather runs: each source row read by K = M / R of them,
+    ``inv_M`` the row of each (r, k) slot (K = 1: a permutation), as ``permute_tokens`` takes them. A grouped
+    GEMM with a ``gathered`` form (``kernels.float8_permute``) fuses the gather into its first pass."""
+
+    src_RD: torch.Tensor
+    index_M: torch.Tensor
+    inv_M: torch.Tensor
+
+    def gather(self) -> torch.Tensor:
+        return permute_tokens(self.src_RD, self.index_M, self.inv_M)
 
 
 def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor) -> torch.Tensor:

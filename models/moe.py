@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.grouped_mm import grouped_mm
+from kernels.permute import RoutedRows, inverse_permutation
 from kernels.swiglu import packed_swiglu
 from models.footprint import LayerActivations
 
@@ -98,12 +99,19 @@ class ExpertWeights(NamedTuple):
     mm: Callable[..., torch.Tensor] = grouped_mm  # the grouped GEMM, as GroupedExperts.grouped_mm says
 
 
-def compute_experts(w: ExpertWeights, x_MD: torch.Tensor, counts_E: torch.Tensor,
+def compute_experts(w: ExpertWeights, x_MD: torch.Tensor | RoutedRows, counts_E: torch.Tensor,
                     counts_host: list[int] | None = None) -> torch.Tensor:
     """Rows of x_MD sorted by expert (``counts_E`` rows for each of w's E experts, in order) -> the expert
     outputs [M, D], same order. The weights are plain tensors (a rank's local blocks under EP). ``counts_host``:
-    the same counts as Python ints where the caller has them (a grouped GEMM kernel may need them on the host)."""
-    gate_up_M2I = w.mm(x_MD, w.gate_up_proj.transpose(-2, -1), counts_E, counts_host)
+    the same counts as Python ints where the caller has them (a grouped GEMM kernel may need them on the host).
+    ``RoutedRows``: the rows not yet gathered; a grouped GEMM with a ``gathered`` form (FP8) fuses the gather."""
+    w_gate_up = w.gate_up_proj.transpose(-2, -1)
+    if isinstance(x_MD, RoutedRows):
+        gathered = getattr(w.mm, "gathered", None)
+        gate_up_M2I = (gathered(x_MD, w_gate_up, counts_E, counts_host) if gathered is not None
+                       else w.mm(x_MD.gather(), w_gate_up, counts_E, counts_host))
+    else:
+        gate_up_M2I = w.mm(x_MD, w_gate_up, counts_E, counts_host)
     return w.mm(w.act_fn(gate_up_M2I), w.down_proj.transpose(-2, -1), counts_E, counts_host)
 
 
@@ -119,7 +127,7 @@ class LocalDispatcher:
                  weights_NK: torch.Tensor) -> torch.Tensor:
         order_M, counts_E = sort_by_expert(experts_NK, experts.gate_up_proj.shape[0])
         token_M = order_M // experts_NK.shape[1]
-        out_MD = compute_experts(experts, x_ND[token_M], counts_E)
+        out_MD = compute_experts(experts, RoutedRows(x_ND, token_M, inverse_permutation(order_M)), counts_E)
         return combine(out_MD, weights_NK.flatten()[order_M], token_M, x_ND.shape[0])
 
 

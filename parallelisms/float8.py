@@ -1,6 +1,7 @@
 """FP8 training, ``train.float8=rowwise``: the decoder blocks' projections (attention, DeltaNet, dense MLPs) become
-torchao ``Float8Linear`` and the routed experts' grouped GEMMs run ``kernels.float8_grouped_mm``, all with dynamic
-rowwise scales, each only where it is measured to be faster on the running GPU.
+torchao ``Float8Linear`` and the routed experts' grouped GEMMs run ``kernels.float8_grouped_mm`` (the first one
+fused with the dispatch gather where the dispatcher hands over its rows ungathered: ``kernels.float8_permute``), all
+with dynamic rowwise scales, each only where it is measured to be faster on the running GPU.
 
 Applied once, to the model on the meta device, before activation checkpointing, EP and FSDP: those then wrap and
 shard the converted modules like any others. ``Float8Linear`` keeps ``weight`` as the same high-precision
@@ -29,7 +30,8 @@ from typing import Any
 import torch.nn as nn
 
 from core import device
-from kernels.float8_grouped_mm import ALIGN, Float8GroupedMM
+from kernels.float8_grouped_mm import ALIGN
+from kernels.float8_permute import Float8GroupedMM
 from kernels.float8_table import TABLE_PATH, WRITE_COMMAND, Timing, grouped_timing, linear_timing, load_table
 from models import ModelSpec
 from models.moe import GroupedExperts, TopKRouter

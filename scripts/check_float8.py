@@ -226,9 +226,9 @@ def check_gather(tokens: int, experts: int, top_k: int, d_in: int, d_out: int, d
 
 # ---------------------------------------------------------------------------------------- the FP8 table
 
-def table_shapes(presets: list[str], eps: list[int]) -> tuple[set[tuple[int, int]], set[tuple[int, int, int, int]]]:
+def table_shapes(presets: list[str], eps: list[int]) -> tuple[set[tuple[int, int]], set[tuple[int, ...]]]:
     """The aligned FP8 candidates of the presets' models (built on meta, 4 layers: every kind of block), as the
-    table keys them: linears (in, out); grouped GEMMs (in, out, local experts, top-k) for each ep."""
+    table keys them: linears (in, out); grouped GEMMs (in, out, local experts, top-k, gathered) for each ep."""
     from omegaconf import OmegaConf
 
     import models
@@ -245,8 +245,8 @@ def table_shapes(presets: list[str], eps: list[int]) -> tuple[set[tuple[int, int
             for c in float8_candidates(model, spec, ep):
                 if c.aligned and c.kind == "linear":
                     linears.add((c.d_in, c.d_out))
-                elif c.aligned:
-                    experts.add((c.d_in, c.d_out, c.groups, arch["num_experts_per_tok"]))
+                elif c.aligned:  # the first GEMM takes its rows from the dispatch gather
+                    experts.add((c.d_in, c.d_out, c.groups, arch["num_experts_per_tok"], c.name == "experts gate_up"))
     return linears, experts
 
 
@@ -275,20 +275,32 @@ def measure_linear(d_in: int, d_out: int, tokens: int, dev: torch.device) -> dic
     return row
 
 
-def measure_grouped(d_in: int, d_out: int, groups: int, rows: int, dev: torch.device) -> dict:
-    """One experts GEMM as compute_experts calls it (uneven load, one idle expert), eager: train.compile leaves
-    the experts eager, so the table has no compiled times for them."""
+def measure_grouped(d_in: int, d_out: int, groups: int, top_k: int, rows: int, gathered: bool,
+                    dev: torch.device) -> dict:
+    """One experts GEMM as compute_experts calls it (uneven load, one idle expert), eager (train.compile leaves
+    the experts eager, so the table has no compiled times for them). ``gathered`` (the first GEMM): from the
+    dispatch gather of rows / top-k tokens, bf16 gather + grouped GEMM against the FP8 GEMM fused with it."""
+    from kernels.float8_permute import float8_grouped_mm_gathered
+    from kernels.permute import inverse_permutation, permute_tokens
+
     gen = torch.Generator(device=dev).manual_seed(0)
     counts = _counts(rows, groups, gen, dev)
     host = counts.tolist()
-    x = torch.randn(rows, d_in, generator=gen, device=dev).bfloat16().requires_grad_()
+    x = torch.randn(rows // top_k if gathered else rows, d_in, generator=gen, device=dev).bfloat16().requires_grad_()
+    order = torch.randperm(rows, generator=gen, device=dev)  # routed row m reads token order[m] // top_k
+    token, inv = order // top_k, inverse_permutation(order)
     w = (torch.randn(groups, d_out, d_in, generator=gen, device=dev) * d_in**-0.5).bfloat16()
     w_Gio = w.transpose(1, 2).requires_grad_()
     grad = torch.randn(rows, d_out, generator=gen, device=dev).bfloat16()
     leaves = [x, w_Gio]
-    return {"in": d_in, "out": d_out, "groups": groups, "rows": rows,
-            "bf16_ms": _time_ms(lambda: native_grouped_mm(x, w_Gio, counts, host), grad, leaves),
-            "fp8_ms": _time_ms(lambda: float8_grouped_mm(x, w_Gio, counts, host), grad, leaves)}
+    if gathered:
+        bf16 = lambda: native_grouped_mm(permute_tokens(x, token, inv), w_Gio, counts, host)  # noqa: E731
+        fp8 = lambda: float8_grouped_mm_gathered(x, token, inv, w_Gio, counts)  # noqa: E731
+    else:
+        bf16 = lambda: native_grouped_mm(x, w_Gio, counts, host)  # noqa: E731
+        fp8 = lambda: float8_grouped_mm(x, w_Gio, counts, host)  # noqa: E731
+    return {"in": d_in, "out": d_out, "groups": groups, "rows": rows, "gathered": gathered,
+            "bf16_ms": _time_ms(bf16, grad, leaves), "fp8_ms": _time_ms(fp8, grad, leaves)}
 
 
 def write_table(presets: list[str], eps: list[int], tokens: int, dev: torch.device) -> None:
@@ -303,8 +315,8 @@ def write_table(presets: list[str], eps: list[int], tokens: int, dev: torch.devi
     for d_in, d_out in sorted(linears):
         linear_rows.append(measure_linear(d_in, d_out, tokens, dev))
         print("  linear " + _row_text(linear_rows[-1]))
-    for d_in, d_out, groups, top_k in sorted(experts):
-        expert_rows.append(measure_grouped(d_in, d_out, groups, tokens * top_k, dev))
+    for d_in, d_out, groups, top_k, gathered in sorted(experts):
+        expert_rows.append(measure_grouped(d_in, d_out, groups, top_k, tokens * top_k, gathered, dev))
         print("  experts " + _row_text(expert_rows[-1]))
     import torchao
 
@@ -315,7 +327,7 @@ def write_table(presets: list[str], eps: list[int], tokens: int, dev: torch.devi
 
 
 def _row_text(row: dict) -> str:
-    shape = ", ".join(f"{k} {row[k]}" for k in ("in", "out", "groups", "tokens", "rows") if k in row)
+    shape = ", ".join(f"{k} {row[k]}" for k in ("in", "out", "groups", "tokens", "rows", "gathered") if k in row)
     times = "  ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in row.items() if k.endswith("_ms"))
     gains = [f"{mode} {row['bf16' + sfx] / row['fp8' + sfx]:.2f}x" for mode, sfx in (("eager", "_ms"),
              ("compiled", "_compiled_ms")) if row.get("bf16" + sfx) and row.get("fp8" + sfx)]

@@ -514,6 +514,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from kernels.float8_permute import Float8GroupedMM
     from models.moe import GroupedExperts
     from parallelisms.dispatchers import DispatcherConfig
     from parallelisms.expert_parallel import apply_expert_parallel
@@ -524,7 +525,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
     reference = GroupedExperts(E, D, I)
     for p in reference.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    reference.grouped_mm = float8_grouped_mm
+    reference.grouped_mm = Float8GroupedMM({(D, 2 * I), (I, D)})  # the gate_up GEMM fused with the gather
     g = torch.Generator().manual_seed(7)
     x_ND = torch.randn(2 * N, D, generator=g)
     experts_NK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(2 * N)])
@@ -665,3 +666,30 @@ def test_the_triton_gather_quantize_kernel_under_the_interpreter_writes_the_refe
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fp8", [{(32, 32), (16, 32)}, {(16, 32)}, set()])
+def test_the_experts_with_the_fused_gather_run_the_same_product(fp8) -> None:
+    """GroupedExperts (local dispatch) with Float8GroupedMM (the gate_up GEMM fused with the gather where it is FP8)
+    against the same shapes through the unfused calls, output and every gradient bit for bit."""
+    from kernels.float8_permute import Float8GroupedMM
+    from models.moe import GroupedExperts
+
+    def unfused(x, w, counts, host=None):
+        return (float8_grouped_mm if tuple(w.shape[1:]) in fp8 else grouped_mm)(x, w, counts, host)
+
+    gen = torch.Generator().manual_seed(5)
+    x_ND, experts_NK = torch.randn(20, 32, generator=gen), torch.randint(0, 4, (20, 2), generator=gen)
+    weights_NK = torch.rand(20, 2, generator=gen)
+    runs = []
+    for mm in (Float8GroupedMM(fp8), unfused):
+        torch.manual_seed(0)
+        experts = GroupedExperts(4, 32, 16)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        experts.grouped_mm = mm
+        x = x_ND.clone().requires_grad_()
+        y = experts(x, experts_NK, weights_NK)
+        y.sum().backward()
+        runs.append([y, x.grad, *(p.grad for p in experts.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
