@@ -131,8 +131,7 @@ def plan_float8(candidates: list[Candidate], gpu: str, entry: dict[str, Any] | N
     """Decide each candidate from the GPU's table ``entry`` (None: the GPU is not in the table: nothing in FP8)."""
     plan = Float8Plan()
     for c in candidates:
-        reason = _decide(c, gpu, entry, tokens, top_k, compiled)
-        fp8 = reason.startswith("FP8")
+        fp8, reason = _decide(c, gpu, entry, tokens, top_k, compiled)
         plan.decisions.append(f"{c.describe()}: {reason}")
         if fp8 and c.kind == "linear":
             plan.linears.extend(c.fqns)
@@ -142,11 +141,13 @@ def plan_float8(candidates: list[Candidate], gpu: str, entry: dict[str, Any] | N
     return plan
 
 
-def _decide(c: Candidate, gpu: str, entry: dict[str, Any] | None, tokens: int, top_k: int, compiled: bool) -> str:
+def _decide(c: Candidate, gpu: str, entry: dict[str, Any] | None, tokens: int, top_k: int, compiled: bool
+            ) -> tuple[bool, str]:
+    """(FP8 or not, the reason as the log line says it)."""
     if not c.aligned:
-        return f"bf16: a dim is not a multiple of {ALIGN} (the FP8 kernels' alignment)"
+        return False, f"bf16: a dim is not a multiple of {ALIGN} (the FP8 kernels' alignment)"
     if entry is None:
-        return f"bf16: {gpu!r} is not in the FP8 table"
+        return False, f"bf16: {gpu!r} is not in the FP8 table"
     if c.kind == "linear":
         size, unit, mode = tokens, "tokens", "compiled" if compiled else "eager"
         timing = linear_timing(entry, c.d_in, c.d_out, tokens, compiled)
@@ -154,13 +155,14 @@ def _decide(c: Candidate, gpu: str, entry: dict[str, Any] | None, tokens: int, t
         size, unit, mode = tokens * top_k, "rows", "eager"
         timing = grouped_timing(entry, c.d_in, c.d_out, c.groups, size, compiled=False)
     if timing is None:
-        return f"bf16: this shape is not in {gpu}'s FP8 table (measure it: {WRITE_COMMAND})"
+        return False, f"bf16: this shape is not in {gpu}'s FP8 table (measure it: {WRITE_COMMAND})"
     speedup = timing.speedup
     if speedup is None:
-        return f"bf16: {gpu}'s FP8 table has no {mode} time of this shape (measure it: {WRITE_COMMAND})"
-    verdict = "FP8" if speedup >= MIN_SPEEDUP else f"bf16: FP8 is not >= {MIN_SPEEDUP}x faster"
-    return f"{verdict}: {mode} fwd+bwd {speedup:.2f}x ({_times(timing)}, measured at {timing.measured_at} {unit}; " \
-           f"this run {size})"
+        return False, f"bf16: {gpu}'s FP8 table has no {mode} time of this shape (measure it: {WRITE_COMMAND})"
+    fp8 = speedup >= MIN_SPEEDUP
+    verdict = "FP8" if fp8 else f"bf16: FP8 is not >= {MIN_SPEEDUP}x faster"
+    return fp8, (f"{verdict}: {mode} fwd+bwd {speedup:.2f}x ({_times(timing)}, measured at {timing.measured_at} "
+                 f"{unit}; this run {size})")
 
 
 def _times(t: Timing) -> str:
