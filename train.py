@@ -29,7 +29,8 @@ import parallelisms
 from core import device
 from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
-from models.hf_io import args_from_hf_config, export_hf, load_hf_into_model, preset_differences, read_hf_config
+from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
+                          read_hf_config)
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (load_checkpoint, read_train_state, resolve_resume, rng_state, save_checkpoint,
                                  save_model_weights, set_rng_state)
@@ -41,7 +42,8 @@ from training.data.packing import context_shard
 from training.evaluate import validation_loss
 from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun
 from training.loss import IGNORE_INDEX, router_loss_shares
-from training.metrics import MetricLogger, moe_metrics, progress_line, reduce_routing, routing_summary
+from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
+                              routing_summary)
 from training.optim import build_optimizer, build_scheduler
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
@@ -183,7 +185,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         ((ce + args.router_aux_loss_coef * aux + args.router_z_loss_coef * z) * dims.grad_scale).backward()
         ce_share, aux_share, z_share = ce_share + ce.detach(), aux_share + aux.detach(), z_share + z.detach()
         routing_LX = routing_LX + routing_summary(out.router_stats)
-    grad_norm = parallelisms.clip_grad_norm_(model, cfg.optim.grad_clip, dims)
+    grad_norm = parallelisms.grad_norm(model, dims)  # clipped below, once the host has the norm
     losses = torch.stack([ce_share, aux_share, z_share])
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
@@ -194,6 +196,9 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
+        coef = parallelisms.clip_coefficient(cfg.optim.grad_clip, norm)
+        if cfg.optim.grad_clip > 0 and coef < 1:  # a step within the norm skips the pass over every gradient
+            parallelisms.scale_grads_(model, coef)
         optimizer.step()
         scheduler.step()
         if args.router_bias_update_rate > 0:
@@ -211,6 +216,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> tuple[models.ModelSpec, A
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
     if cfg.checkpoint.export_hf_at_end:
         check_export_requirements(cfg, tokenizer, model_args.vocab_size)
+        if cfg.train.output_dir is not None:  # Hydra's own run directory is new: it holds no hf/ yet
+            check_export_dir(Path(cfg.train.output_dir) / "hf")  # checked before any step is trained
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     return spec, model_args, tokenizer
@@ -275,17 +282,14 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     optimizer = build_optimizer(model, cfg.optim)
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
                                dp_rank=dims.dp_rank, dp_size=dims.dp,
-                               tokenizer=tokenizer)
+                               tokenizer=tokenizer, model_vocab_size=model_args.vocab_size)
     # The held-out batches, cp-sharded once: every eval step reads the same ones.
     val_batches = ([context_shard(b, dims.cp_rank, dims.cp) for b in loader.validation.batches(cfg.train.eval_batches)]
                    if cfg.train.eval_every else [])
-    if loader.vocab_size > model_args.vocab_size:  # pre-tokenized ids (tokenized data was checked at start-up)
-        raise ValueError(f"data ids reach {loader.vocab_size - 1} but model.arch.vocab_size={model_args.vocab_size}; "
-                         "use a model whose vocabulary covers the data's ids")
     first_step, position = 1, 0
     if state is not None:
         load_checkpoint(resume_from, model, optimizer, state.get("files"))
-        loader.load_state_dict(state["loader"])
+        loader.load_state_dict(state["loader"], cfg.train.allow_changes)
         set_rng_state(state["rng"], dev_type)
         first_step, position = state["step"] + 1, state["scheduler"]["last_epoch"]
         if dims.rank == 0:
@@ -296,8 +300,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         atomic_write_text(run_dir / "config.yaml", rerunnable_config(run_config))
     metric_logger = MetricLogger(run_dir, cfg.logging, enabled=dims.rank == 0,
                                  keep_until=first_step - 1 if state is not None else None, run_config=run_config)
-    # Autocast only where FSDP's mixed-precision policy does not already cast the parameters.
-    autocast = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16 and cfg.parallel.backend.name != "fsdp2")
+    # Autocast only under DDP: FSDP's mixed-precision policy (or in one process its stand-in) casts the parameters.
+    autocast = torch.autocast(dev_type, dtype=torch.bfloat16, enabled=bf16 and cfg.parallel.backend.name == "ddp")
     flops_per_token = model_args.flops_per_token(cfg.data.seq_len)
     peak_flops = device.peak_tflops(dev_type)
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
@@ -331,7 +335,10 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         # The cp ranks of a dp slice read the same sequences; each keeps its 1/cp of every one.
         with torch.profiler.record_function("data"):
             data_start = time.perf_counter()
-            shards = [context_shard(next(loader), dims.cp_rank, dims.cp) for _ in range(cfg.train.grad_accum_steps)]
+            windows = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
+            # This rank's whole sequences (before the cp split): the attention pairs its dp slice computes.
+            attended = sum(attended_flops_per_token(model_args, w["position_ids"]) for w in windows) / len(windows)
+            shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
             batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
             data_time = time.perf_counter() - data_start  # the loader is on the critical path: keep this small
         lr = scheduler.get_last_lr()[0]
@@ -349,6 +356,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
             "tflops_per_device": per_device * flops_per_token / 1e12,
             "mfu": per_device * flops_per_token / (peak_flops * 1e12) if peak_flops else None,
+            "attended_tflops_per_device": per_device * attended / 1e12,
+            "attended_mfu": per_device * attended / (peak_flops * 1e12) if peak_flops else None,
             "peak_mem_gib": device.peak_memory_gib(dev_type), "step_time_s": step_time,
             "data_time_s": data_time, "data_share": data_time / step_time,
         }

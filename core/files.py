@@ -1,13 +1,19 @@
-"""Atomic file writes: a reader (or a resume after a crash) sees the old file or the new one, never half of one.
+"""Atomic file writes: a reader (or a resume after a crash) sees the old file or the new one, never half of one;
+and file records (size and a CRC-32 per 64 MiB block) that find damage when a file is read back.
 No torch here: the tokenizer's worker processes import this."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+CRC_BLOCK_BYTES = 64 << 20  # CRC-32 granularity of a file record: a mismatch names the damaged 64 MiB block
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
@@ -32,3 +38,40 @@ def atomic_write_npy(path: Path, array: np.ndarray) -> None:
             np.save(f, array)
 
     atomic_write(path, write)
+
+
+_READ_BYTES = 4 << 20  # a block is read (and its CRC continued) in parts: 8 threads hold 32 MiB, not 512
+
+
+def _block_crc(path: Path, block: int) -> int:
+    crc, left = 0, CRC_BLOCK_BYTES
+    with open(path, "rb") as f:
+        f.seek(block * CRC_BLOCK_BYTES)
+        while left and (part := f.read(min(left, _READ_BYTES))):
+            crc, left = zlib.crc32(part, crc), left - len(part)
+    return crc
+
+
+def record_paths(paths: Iterable[Path]) -> dict[Path, dict[str, Any]]:
+    """{path: {"bytes": size, "crc32": [one per 64 MiB block]}}; blocks are checksummed on a thread pool (file
+    reads and zlib release the GIL: several GB/s)."""
+    sizes = {p: p.stat().st_size for p in paths}
+    jobs = [(p, b) for p, size in sizes.items() for b in range(max(1, -(-size // CRC_BLOCK_BYTES)))]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        crcs = list(pool.map(lambda job: _block_crc(*job), jobs))
+    record: dict[Path, dict[str, Any]] = {p: {"bytes": size, "crc32": []} for p, size in sizes.items()}
+    for (p, _), crc in zip(jobs, crcs):
+        record[p]["crc32"].append(crc)
+    return record
+
+
+def record_problems(name: str, expected: dict[str, Any], got: dict[str, Any] | None) -> list[str]:
+    """What differs between a file's record as written (``expected``) and as read back (``got``; None: the file
+    is missing), each naming the file as ``name``: its size, or each 64 MiB block whose bytes changed."""
+    if got is None:
+        return [f"{name} is missing"]
+    if got["bytes"] != expected["bytes"]:
+        return [f"{name} has {got['bytes']} bytes, {expected['bytes']} were written"]
+    size = got["bytes"]
+    return [f"{name} bytes [{b * CRC_BLOCK_BYTES}, {min((b + 1) * CRC_BLOCK_BYTES, size)}) differ from what was "
+            "written" for b, (g, e) in enumerate(zip(got["crc32"], expected["crc32"])) if g != e]

@@ -12,6 +12,9 @@ FLA = "flash-linear-attention"  # only the listed flash-linear-attention ops (``
 PLUGINS = (AUTO, FLA)
 FLA_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 CHUNK_SIZES = (16, 32, 64)  # what FLA's chunked kernels support
+# Packed-document attention (kernels/attention.py): auto = the registry's CUDA default; torch = the dense-mask SDPA.
+FLEX_ATTENTION, VARLEN_ATTN = "flex_attention", "varlen_attn"
+ATTENTION_IMPLS = (AUTO, FLEX_ATTENTION, VARLEN_ATTN, "torch")
 
 
 @dataclass
@@ -19,6 +22,7 @@ class KernelConfig:
     name: str = AUTO  # auto | flash-linear-attention | both, comma-separated: "auto,flash-linear-attention"
     include_kernels: list[str] = field(default_factory=lambda: list(FLA_OPS))  # FLA ops to install
     chunk_size: int = 64  # chunk length of the chunked gated delta rule (FLA's and the torch reference)
+    attention: str = AUTO  # packed documents: auto | flex_attention | varlen_attn | torch (a name must run)
 
 
 def plugin_names(cfg: KernelConfig) -> list[str]:
@@ -38,6 +42,12 @@ def validate_kernel_config(cfg: KernelConfig) -> None:
     if FLA in names and not cfg.include_kernels:
         raise ValueError(f"kernel_config.name includes {FLA} but kernel_config.include_kernels is empty; "
                          f"list some of {', '.join(FLA_OPS)} or drop {FLA}")
+    if cfg.attention not in ATTENTION_IMPLS:
+        raise ValueError(f"kernel_config.attention={cfg.attention!r}: expected one of {', '.join(ATTENTION_IMPLS)}")
+    if cfg.attention != AUTO and AUTO not in names:
+        raise ValueError(f"kernel_config.attention={cfg.attention} is one of the {AUTO} kernels, but "
+                         f"kernel_config.name={cfg.name!r} leaves them out; add {AUTO} to kernel_config.name or set "
+                         f"kernel_config.attention={AUTO}")
     if cfg.chunk_size not in CHUNK_SIZES:
         raise ValueError(f"kernel_config.chunk_size={cfg.chunk_size} must be one of "
                          f"{', '.join(map(str, CHUNK_SIZES))}")

@@ -18,8 +18,13 @@ import torch
 from kernels.installed import kernel
 
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # under torch.compile: called while tracing, its answer a constant
 def _native_supported(dev: torch.device, dtype: torch.dtype) -> bool:
+    return _native_probe(dev, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_probe(dev: torch.device, dtype: torch.dtype) -> bool:
     """Probe the three products forward and backward need (y = x w, dx = dy w^T, dw = x^T dy) with tiny
     tensors. In a thread of its own: the first call can come inside a checkpointed forward, whose dispatch
     modes and autograd state (thread-local) must not see the probe's ops."""

@@ -186,9 +186,17 @@ def moe_token_unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, state: Any
 def moe_token_permute_torch(x_ND: torch.Tensor, experts_NK: torch.Tensor
                             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The reference: a stable argsort of the expert ids and the gathers above; state (order_M, inv_M)."""
+    rows, state = moe_token_routed_rows(x_ND, experts_NK)
+    return rows.gather(), state
+
+
+def moe_token_routed_rows(x_ND: torch.Tensor, experts_NK: torch.Tensor
+                          ) -> tuple[RoutedRows, tuple[torch.Tensor, torch.Tensor]]:
+    """``moe_token_permute_torch`` with the gather not yet run (for a grouped GEMM that fuses it): the rows and
+    the state (order_M, inv_M) ``moe_token_unpermute_torch`` reads."""
     order_M = torch.argsort(experts_NK.flatten(), stable=True)
     inv_M = inverse_permutation(order_M)
-    return permute_tokens(x_ND, order_M // experts_NK.shape[1], inv_M), (order_M, inv_M)
+    return RoutedRows(x_ND, order_M // experts_NK.shape[1], inv_M), (order_M, inv_M)
 
 
 def moe_token_unpermute_torch(y_MD: torch.Tensor, weights_NK: torch.Tensor,

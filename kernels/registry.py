@@ -1,11 +1,12 @@
 """Device kernel registry: the one place that chooses a device-specific implementation. For each op, the
 implementations per device type, each with an availability check, and the torch reference otherwise. ``auto``
-takes the best that can run; a plugin named explicitly (flash-linear-attention) must run, or selection fails.
+takes the best that can run; a plugin named explicitly (flash-linear-attention), or an implementation named by an
+op's own key (``kernel_config.attention``), must run, or selection fails.
 
 Two kinds of op, chosen alike: those the models call through a kernel slot (see ``models/layers.py``: norms,
-activations, rotary, the cross-entropy step, the delta rule), and those the dispatch path's kernel functions call
-(``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``), which EP dispatchers and the
-experts use without ever checking the device.
+activations, rotary, the cross-entropy step, the delta rule, packed-document attention), and those the dispatch
+path's kernel functions call (``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``,
+``kernels.adamw``), which EP dispatchers, the experts and the optimizer use without ever checking the device.
 
 ``select_kernels(cfg, device_type)`` chooses one implementation per op and records why (``Kernels.log``: one line
 per op at start-up); ``apply_kernels(model, kernels)`` installs the choices: into every module's kernel slots, and
@@ -28,7 +29,9 @@ import torch.nn as nn
 
 from core import device
 from kernels import fla, installed
-from kernels.config import AUTO, FLA, KernelConfig, plugin_names
+from kernels.adamw import adamw_step_torch
+from kernels.attention import DenseMaskAttention, FlexAttention, VarlenAttention, varlen_signature_problem
+from kernels.config import AUTO, FLA, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, plugin_names
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kernels.float8_permute import gather_quantize_rows_torch
 from kernels.grouped_mm import per_group_mm
@@ -94,6 +97,8 @@ class OpSpec:
     reference: Callable[[KernelConfig], Callable]  # the torch reference: what runs by default
     kernels: tuple[Impl, ...]  # in order of preference
     slot: bool = True  # a model kernel slot; False: called by a kernel function, installed in kernels.installed
+    # A KernelConfig field that may name one implementation (or torch); auto: the first that can run.
+    config_key: str | None = None
 
 
 def _lazy(module: str, attr: str) -> Callable[[KernelConfig], Callable]:
@@ -156,6 +161,29 @@ def _npu_moe(op: str, note: str = "") -> Impl:
     return Impl("torch_npu", ("npu",), _lazy("kernels.npu_moe", op), _needs_torch_npu, note)
 
 
+def _needs_flex(env: Env) -> str | None:
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        return f"torch {torch.__version__} has no FlexAttention"
+    return _needs_triton(env)  # compiled FlexAttention is a Triton kernel
+
+
+def _needs_varlen(env: Env) -> str | None:
+    if env.capability is not None and env.capability < (8, 0):
+        return f"flash attention needs sm_80 or newer, this GPU is sm_{env.capability[0]}{env.capability[1]}"
+    return varlen_signature_problem()
+
+
+_ATTENTION = {
+    FLEX_ATTENTION: Impl(FLEX_ATTENTION, ("cuda",), lambda cfg: FlexAttention(),
+                         _needs_flex, "document BlockMask; compiled at the first packed batch"),
+    VARLEN_ATTN: Impl(VARLEN_ATTN, ("cuda",), lambda cfg: VarlenAttention(),
+                      _needs_varlen, "flash attention over the documents (cu_seqlens)"),
+}
+# The CUDA default for packed documents: the faster of the two on an H200 (docs/benchmarks.md). Flip it here;
+# kernel_config.attention picks either per run. Rows that are one document each take SDPA's causal flash path
+# in every implementation.
+CUDA_ATTENTION = FLEX_ATTENTION
+
 # FLA's Triton kernels run on CUDA and, through its triton-ascend backends, on NPU.
 _FLA_DEVICES = ("cuda", "npu")
 FLA_TORCH_DQKWG = f"{FLA} + torch chunk_bwd_dqkwg"
@@ -178,6 +206,9 @@ OPS: dict[str, OpSpec] = {
          Impl(FLA_TORCH_DQKWG, ("cuda",), lambda cfg: fla.chunk_gated_delta_rule_torch_dqkwg(cfg.chunk_size),
               _fla_chunk_fix_unneeded, "FLA #640: its chunk_bwd_dqkwg backward step runs in torch "
               "(kernels/fla_dqkwg.py), every other FLA kernel as FLA's"))),
+    "document_attention": OpSpec(
+        AUTO, lambda cfg: DenseMaskAttention(),
+        tuple(sorted(_ATTENTION.values(), key=lambda impl: impl.name != CUDA_ATTENTION)), config_key="attention"),
     "fused_recurrent_gated_delta_rule": OpSpec(
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
@@ -195,6 +226,9 @@ OPS: dict[str, OpSpec] = {
         Impl("torch._grouped_mm", ("cuda",), _lazy("kernels.grouped_mm", "native_grouped_mm"), _needs_grouped_mm,
              "where it supports the dtype (probed at the first call), else the per-expert loop"),
         _npu_moe("grouped_mm", "the per-expert loop where an expert gets no rows or is the only one")),
+    # The optimizer's update (optim.state_dtype=bfloat16: training.optim.AdamW), one pass per parameter.
+    "adamw_step": _dispatch(adamw_step_torch, Impl("triton", ("cuda",), _lazy("kernels.triton_adamw", "adamw_step"),
+                                                   _needs_triton)),
 }
 SLOT_OPS = tuple(op for op, spec in OPS.items() if spec.slot)  # what models call through their kernel slots
 INSTALLED_OPS = tuple(op for op, spec in OPS.items() if not spec.slot)  # what kernel functions call
@@ -237,8 +271,12 @@ def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
         return reference(f"kernel_config.name does not include {spec.plugin}")
     if spec.plugin == FLA and op not in cfg.include_kernels:
         return reference("not in kernel_config.include_kernels")
+    named = getattr(cfg, spec.config_key) if spec.config_key else AUTO
+    if named == "torch":
+        return reference(f"kernel_config.{spec.config_key}=torch")
+    impls = spec.kernels if named == AUTO else tuple(impl for impl in spec.kernels if impl.name == named)
     skipped = []
-    for impl in spec.kernels:
+    for impl in impls:
         if env.device_type not in impl.device_types:
             continue
         why_not = impl.unavailable(env)
@@ -246,8 +284,11 @@ def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
             reason = f"on {env.device_type}" + (f"; {impl.note}" if impl.note else "")
             return Choice(op, impl.name, reason, lambda impl=impl: impl.build(cfg))
         skipped.append(f"{impl.name}: {why_not}")
-    devices = sorted({d for impl in spec.kernels for d in impl.device_types})
-    why = "; ".join(skipped) or f"{spec.plugin} has kernels for {', '.join(devices)} only"
+    devices = sorted({d for impl in impls for d in impl.device_types})
+    why = "; ".join(skipped) or f"{spec.plugin if named == AUTO else named} has kernels for {', '.join(devices)} only"
+    if named != AUTO:
+        raise ValueError(f"kernel_config.{spec.config_key}={named} cannot run on {env.describe()}: {why}; fix: "
+                         f"kernel_config.{spec.config_key}={AUTO}")
     if spec.plugin == AUTO:  # auto means "the best available": the reference is a fine answer
         return reference(why)
     # A kernel asked for by name never silently becomes something else.

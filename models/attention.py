@@ -11,18 +11,19 @@ import torch.nn as nn
 
 from kernels.rotary import apply_rotary
 from models.footprint import LayerActivations, SequenceExchange
-from models.layers import causal_attention
+from models.layers import DenseMaskAttention, Documents
 from models.sequence_ops import Heads, Passed, SequenceOp
 
-# q [B, H, t, d] and k, v [B, h, t, d] (shared by the query heads), document ids whole; the output like q.
+# q [B, H, t, d] and k, v [B, h, t, d] (shared by the query heads), the documents whole; the output like q.
 CORE_ATTENTION = SequenceOp(args=(Heads(seq_dim=2, head_dim=1), Heads(2, 1, shared=True), Heads(2, 1, shared=True),
                                   Passed()), out=Heads(2, 1))
 
 
 class Attention(nn.Module):
-    """GQA through torch SDPA. ``norm(dim, eps)`` builds the q/k norms (RMSNorm, or Qwen3.5's (1 + w) form)."""
+    """GQA, causal within packed documents (the ``attention`` slot: ``kernels/attention.py``). ``norm(dim, eps)``
+    builds the q/k norms (RMSNorm, or Qwen3.5's (1 + w) form)."""
 
-    kernel_slots: ClassVar[Mapping[str, str]] = {"rotary": "apply_rotary"}
+    kernel_slots: ClassVar[Mapping[str, str]] = {"rotary": "apply_rotary", "attention": "document_attention"}
     sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"core_attention": CORE_ATTENTION}
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
@@ -37,9 +38,10 @@ class Attention(nn.Module):
         self.q_norm = norm(head_dim, eps)
         self.k_norm = norm(head_dim, eps)
         self.rotary = apply_rotary
+        self.attention = DenseMaskAttention()
 
     def forward(self, x_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
-                doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+                docs: Documents | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q_BTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, -1)
         q_BTHd, gate_BTHd = q_BTHd.chunk(2, dim=-1) if self.gated else (q_BTHd, None)
@@ -47,15 +49,15 @@ class Attention(nn.Module):
         k_BhTd = self.k_norm(self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v_BhTd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q_BHTd, k_BhTd = self.rotary(q_BHTd, cos_BTr, sin_BTr), self.rotary(k_BhTd, cos_BTr, sin_BTr)
-        o_BTHd = self.core_attention(q_BHTd, k_BhTd, v_BhTd, doc_ids_BT).transpose(1, 2)
+        o_BTHd = self.core_attention(q_BHTd, k_BhTd, v_BhTd, docs).transpose(1, 2)
         if gate_BTHd is not None:
             o_BTHd = o_BTHd * torch.sigmoid(gate_BTHd)
         return self.o_proj(o_BTHd.reshape(B, T, -1))
 
     def core_attention(self, q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTd: torch.Tensor,
-                       doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+                       docs: Documents | None) -> torch.Tensor:
         """Attention over the whole sequence on the heads given (a sequence op: CP passes a head shard)."""
-        return causal_attention(q_BHTd, k_BhTd, v_BhTd, doc_ids_BT, scale=self.head_dim**-0.5)
+        return self.attention(q_BHTd, k_BhTd, v_BhTd, docs, self.head_dim**-0.5)
 
     def saved_activations(self) -> LayerActivations:
         """Per token, with the pre-norm before it. Without checkpointing: the norm's input and output, q and k before

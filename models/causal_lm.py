@@ -12,11 +12,11 @@ import torch.nn as nn
 
 from kernels.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entropy_sum, softmax_cross_entropy_
 from models.init import ShardedInit, constant, normal
-from models.layers import RMSNorm, document_ids
+from models.layers import DenseMaskAttention, Documents, RMSNorm, document_ids
 from models.moe import GroupedExperts, RouterStats, TopKRouter
 from models.sequence_ops import SequenceOp, WholeSequence
 
-# Document ids need the whole sequence's position ids (under CP every rank's: gathered).
+# Documents need the whole sequence's position ids (under CP every rank's: gathered).
 FIND_DOCUMENTS = SequenceOp(args=(WholeSequence(dim=-1),), out=None)
 
 
@@ -50,20 +50,23 @@ class MoeDecoderLayer(nn.Module):
     in ``mix`` how the mixer is called."""
 
     def mix(self, h_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+            docs: Documents | None) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats]:
-        x_BTD = x_BTD + self.mix(self.input_layernorm(x_BTD), cos, sin, doc_ids_BT)
+                docs: Documents | None = None) -> tuple[torch.Tensor, RouterStats]:
+        x_BTD = x_BTD + self.mix(self.input_layernorm(x_BTD), cos, sin, docs)
         moe_BTD, stats = self.mlp(self.post_attention_layernorm(x_BTD))
         return x_BTD + moe_BTD, stats
 
 
 class MoeDecoder(nn.Module):
     """Embeddings, the blocks and the final norm (transformers' names). A family passes its blocks and norm and
-    says in ``rotary_tables`` how position ids become the (cos, sin) its attention takes."""
+    says in ``rotary_tables`` how position ids become the (cos, sin) its attention takes. Its ``attention`` slot
+    holds the same document-attention kernel as every attention layer's: it builds what that kernel needs about the
+    batch's documents once, before the layers (``kernels/attention.py``)."""
 
+    kernel_slots: ClassVar[Mapping[str, str]] = {"attention": "document_attention"}
     sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"find_documents": FIND_DOCUMENTS}
 
     def __init__(self, args: Any, layers: list[nn.Module], norm: nn.Module) -> None:
@@ -72,6 +75,7 @@ class MoeDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
+        self.attention = DenseMaskAttention()
 
     def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -80,16 +84,18 @@ class MoeDecoder(nn.Module):
                 ) -> tuple[torch.Tensor, list[RouterStats]]:
         h_BTD = self.embed_tokens(input_ids_BT)
         cos, sin = self.rotary_tables(position_ids, h_BTD.dtype)
-        doc_ids_BT = self.find_documents(position_ids)
+        docs = self.find_documents(position_ids)
         stats = []
         for layer in self.layers:
-            h_BTD, layer_stats = layer(h_BTD, cos, sin, doc_ids_BT)
+            h_BTD, layer_stats = layer(h_BTD, cos, sin, docs)
             stats.append(layer_stats)
         return self.norm(h_BTD), stats
 
-    def find_documents(self, position_ids: torch.Tensor) -> torch.Tensor | None:
-        """Document ids of the whole sequence (a sequence op: under CP, of every cp rank's position ids)."""
-        return document_ids(position_ids)
+    def find_documents(self, position_ids: torch.Tensor) -> Documents | None:
+        """The whole sequence's packed documents (a sequence op: under CP, of every cp rank's position ids), or
+        None when every row is one document."""
+        ids_BT = document_ids(position_ids)
+        return None if ids_BT is None else self.attention.documents(ids_BT)
 
 
 class MoeCausalLM(nn.Module):

@@ -51,6 +51,10 @@ SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 HF_FORMAT_VERSION = "5.24.0"  # config.json's transformers_version: the oldest transformers the export is tested with
+# Written into every export, listing its files: an export replaces its directory wholesale, so only a directory that
+# holds nothing but an earlier export (the files its record lists) may be replaced; a run, its parent, or a user's
+# files never are.
+EXPORT_RECORD = ".hf_export.json"
 
 
 def _hf_names(spec: ModelSpec) -> ModuleType:
@@ -148,6 +152,18 @@ class _Source:
 
     shape: tuple[int, ...]
     read: Callable[[tuple[slice, ...]], torch.Tensor]
+    dtype: str  # as safetensors names it (F32, BF16, I8, ...); a fused tensor: a non-floating part's, if any
+
+
+def _floating(safetensors_dtype: str) -> bool:
+    return safetensors_dtype.startswith(("F", "BF"))  # F64 ... F8_E5M2, BF16; not I*, U*, BOOL, C64
+
+
+def _non_floating_dtype(value: Any) -> str | None:
+    """The dtype of a full tensor or an on-disk _Source that holds no floating-point values; None if it does."""
+    if isinstance(value, _Source):
+        return None if _floating(value.dtype) else value.dtype
+    return None if value.dtype.is_floating_point else str(value.dtype).removeprefix("torch.")
 
 
 def _whole(shape: Sequence[int]) -> tuple[slice, ...]:
@@ -156,7 +172,7 @@ def _whole(shape: Sequence[int]) -> tuple[slice, ...]:
 
 def _direct_source(f: Any, disk_name: str) -> _Source:
     handle = f.get_slice(disk_name)
-    return _Source(tuple(handle.get_shape()), lambda box: handle[box])
+    return _Source(tuple(handle.get_shape()), lambda box: handle[box], handle.get_dtype())
 
 
 def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
@@ -177,7 +193,9 @@ def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
         return torch.stack(stacked) if stacked else torch.empty(0, row_range.stop - row_range.start,
                                                                  col_range.stop - col_range.start)
 
-    return _Source((len(parts_by_expert), num_parts * rows, cols), read)
+    dtypes = [part.get_dtype() for parts in parts_by_expert for part in parts]
+    dtype = next((d for d in dtypes if not _floating(d)), dtypes[0])
+    return _Source((len(parts_by_expert), num_parts * rows, cols), read, dtype)
 
 
 @contextlib.contextmanager
@@ -236,20 +254,27 @@ def load_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def check_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
-    """Raise one ValueError listing every missing, unexpected and mis-shaped tensor (global shapes). Values
-    need only a ``shape``: full tensors, or the on-disk sources of a checkpoint not yet read."""
+    """Raise one ValueError listing every missing, unexpected and mis-shaped tensor (global shapes), and every
+    non-floating one for a floating parameter. Values need only a ``shape`` and a ``dtype``: full tensors, or the
+    on-disk sources of a checkpoint not yet read."""
     shapes: dict[str, torch.Size] = {}
+    dtypes: dict[str, torch.dtype] = {}
     tied: dict[int, list[str]] = defaultdict(list)  # one tensor under several names: any one name will do
     for name, param in model.named_parameters(remove_duplicate=False):
-        shapes[name] = param.shape
+        shapes[name], dtypes[name] = param.shape, param.dtype
         tied[id(param)].append(name)
     missing = [names[0] for names in tied.values() if not any(n in state_dict for n in names)]
     unexpected = sorted(set(state_dict) - set(shapes))
     misshaped = [f"{n} (checkpoint {tuple(state_dict[n].shape)}, model {tuple(shape)})"
                  for n, shape in shapes.items() if n in state_dict and tuple(state_dict[n].shape) != tuple(shape)]
-    if missing or unexpected or misshaped:
+    # A copy into a floating parameter casts integers silently: quantized weights would load as their codes.
+    integral = [f"{n} ({dtype} for a {str(dtypes[n]).removeprefix('torch.')} parameter)" for n in shapes
+                if n in state_dict and dtypes[n].is_floating_point
+                and (dtype := _non_floating_dtype(state_dict[n])) is not None]
+    if missing or unexpected or misshaped or integral:
         lines = [f"{label} ({len(names)}): {', '.join(names)}"
-                 for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
+                 for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped),
+                                      ("not floating-point (quantized? dequantize it first)", integral))
                  if names]
         raise ValueError("state dict does not match the model:\n  " + "\n  ".join(lines))
 
@@ -365,6 +390,28 @@ def _write_checkpoint(out_dir: Path, tensors: list[_DiskTensor], dtype: torch.dt
         (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def check_export_dir(out_dir: str | os.PathLike) -> None:
+    """Raise ValueError unless ``out_dir`` may receive an export: absent, empty, or an earlier export (its
+    EXPORT_RECORD lists every file in it). Anything else (a run directory, a folder of runs, a user's files) would
+    be deleted by the replacement, so it is refused, naming what it holds."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"export directory {out_dir} is a file; choose a new or empty directory")
+    entries = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
+    try:
+        exported = set(json.loads((out_dir / EXPORT_RECORD).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):  # no record (or not ours): nothing in it is an export's
+        exported = set()
+    foreign = [name for name in entries
+               if name != EXPORT_RECORD and not (name in exported and (out_dir / name).is_file())]
+    if foreign:
+        shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+        what = "an earlier export with other files added" if exported else "not an earlier export"
+        raise ValueError(f"export directory {out_dir} is {what} (it holds {shown}), and an export replaces its "
+                         f"directory wholesale: choose a new or empty directory (only an export, marked by its "
+                         f"{EXPORT_RECORD}, is replaced)")
+
+
 def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
     """Write into a temporary sibling, then rename it to out_dir: nobody sees a half-written directory."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -399,12 +446,15 @@ def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_d
               # takes a >100k-token tokenizer beside it for an old Mistral one and warns of a wrong regex.
               "transformers_version": HF_FORMAT_VERSION}
     tensors = _disk_tensors(spec, {name: t.shape for name, t in state.items()})  # the sources in sorted order
+    check_export_dir(out_dir)
 
     def write(tmp: Path) -> None:
         _write_checkpoint(tmp, tensors, dtype, max_shard_bytes, values)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if extra_files is not None:
             extra_files(tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        (tmp / EXPORT_RECORD).write_text(json.dumps({"written_by": "qwen-moe-train", "files": files}) + "\n")
 
     _replace_dir(Path(out_dir), write)
 
@@ -415,7 +465,8 @@ def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str
     """Write full tensors in our names as a directory ``transformers.AutoModelForCausalLM.from_pretrained``
     loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
     it (default: keep the state dict's), one tensor at a time. ``extra_files(tmp)``, if given, is called with
-    the temporary directory once the weights and config.json are in it, before it replaces ``out_dir``: it may
+    the temporary directory once the weights and config.json are in it, before it replaces ``out_dir`` (new, empty or
+    an earlier export: ``check_export_dir``): it may
     add files (the tokenizer's) or rewrite config.json. The model's buffers in ``state_dict`` (the routers'
     aux-loss-free balancing biases: a training device transformers' routers do not have) are left out."""
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, rotary tables, document masks and causal attention.
+"""Building blocks shared by the model families: RMSNorm, rotary tables and finding packed documents.
 
 Letters as in DEVELOPERS.md ("Shape suffixes"), in every file of models/.
 
@@ -14,7 +14,9 @@ wraps them on the instance for context parallelism (a head shard of the whole se
 outside); everything else in the model is token-wise and never knows.
 
 Packed documents: position ids restart at each document (``document_ids``); attention then stays within documents
-and DeltaNet restarts its state and conv window, as if every document were its own row.
+and DeltaNet restarts its state and conv window, as if every document were its own row. The decoder turns the ids
+into a ``Documents`` once per forward (``kernels/attention.py``: what the chosen attention kernel needs, e.g. a
+FlexAttention block mask, and FLA's ``cu_seqlens``) and passes it to every layer.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from typing import Callable, ClassVar, Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from kernels.attention import DenseMaskAttention, Documents, document_cu_seqlens
 from kernels.norm import rms_norm
 from kernels.rotary import apply_rotary, rotate_half
 from kernels.swiglu import packed_swiglu, swiglu
 
-__all__ = ["RMSNorm", "apply_rotary", "causal_attention", "document_cu_seqlens", "document_ids", "packed_swiglu",
-           "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]  # the references too: the families' slot defaults
+# The references too: the families' slot defaults.
+__all__ = ["DenseMaskAttention", "Documents", "RMSNorm", "apply_rotary", "document_cu_seqlens", "document_ids",
+           "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]
 
 
 class RMSNorm(nn.Module):
@@ -77,29 +80,3 @@ def document_ids(position_ids_BT: torch.Tensor) -> torch.Tensor | None:
     doc_ids_BT = starts_BT.cumsum(dim=1)
     # One host sync per forward (as transformers' check): unpacked rows keep the plain causal kernels.
     return doc_ids_BT if bool(doc_ids_BT[:, -1].any()) else None
-
-
-def document_cu_seqlens(doc_ids_BT: torch.Tensor) -> torch.Tensor:
-    """Start offsets of every document in the flattened [B*T] tokens, then B*T: FLA's (and flash-attention's varlen)
-    ``cu_seqlens``. Every row starts a document too."""
-    starts_BT = F.pad(doc_ids_BT.diff(dim=1) != 0, (1, 0), value=True)
-    starts_N = starts_BT.flatten().nonzero().squeeze(1)
-    return torch.cat([starts_N, starts_N.new_tensor([doc_ids_BT.numel()])])
-
-
-def causal_attention(q_BHTd: torch.Tensor, k_BhTd: torch.Tensor, v_BhTd: torch.Tensor,
-                     doc_ids_BT: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Causal SDPA on the heads given (h key/value heads shared by H query heads), within documents if
-    ``doc_ids_BT`` is given (see ``document_ids``)."""
-    num_heads, num_kv_heads = q_BHTd.shape[1], k_BhTd.shape[1]
-    if doc_ids_BT is None:
-        return F.scaled_dot_product_attention(q_BHTd, k_BhTd, v_BhTd, is_causal=True, scale=scale,
-                                              enable_gqa=num_kv_heads != num_heads)
-    T = q_BHTd.shape[2]
-    causal_TT = torch.ones(T, T, dtype=torch.bool, device=q_BHTd.device).tril()
-    mask_B1TT = ((doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & causal_TT)[:, None]
-    # Repeat the kv heads: the CUDA kernels that take a mask do not take GQA (transformers does the same).
-    # TODO: flex_attention with a document BlockMask (or varlen flash attention) would skip the masked blocks and
-    # the T x T mask on accelerators.
-    k_BHTd, v_BHTd = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k_BhTd, v_BhTd))
-    return F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, attn_mask=mask_B1TT, scale=scale)

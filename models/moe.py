@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.grouped_mm import grouped_mm
-from kernels.permute import RoutedRows, inverse_permutation
+from kernels.permute import (RoutedRows, moe_token_permute, moe_token_routed_rows, moe_token_unpermute,
+                             moe_token_unpermute_torch)
 from kernels.swiglu import packed_swiglu
 from models.footprint import LayerActivations
 
@@ -120,15 +121,25 @@ DispatchFn = Callable[[ExpertWeights, torch.Tensor, torch.Tensor, torch.Tensor],
 
 
 class LocalDispatcher:
-    """All experts live on this rank: sort the routed rows by expert, run them, scatter back. The reference
-    every expert-parallel dispatcher reproduces (same call, ``parallelisms.dispatchers.base.Dispatcher``)."""
+    """All experts live on this rank: permute the routed rows into expert order, run them, unpermute with the
+    router weights. The reference every expert-parallel dispatcher reproduces (same call,
+    ``parallelisms.dispatchers.base.Dispatcher``).
+
+    The token moves are ``kernels.permute``'s, the kernels the registry installs (on CUDA the Triton K-to-one
+    gathers and sums the fused dispatcher uses): gathers whose backward is a gather, no ``index_add_`` or
+    ``index_put_`` with atomics, and nothing read back to the host (the grouped GEMM's offsets are a device
+    cumsum of ``counts_E``)."""
 
     def __call__(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
-        order_M, counts_E = sort_by_expert(experts_NK, experts.gate_up_proj.shape[0])
-        token_M = order_M // experts_NK.shape[1]
-        out_MD = compute_experts(experts, RoutedRows(x_ND, token_M, inverse_permutation(order_M)), counts_E)
-        return combine(out_MD, weights_NK.flatten()[order_M], token_M, x_ND.shape[0])
+        counts_E = expert_counts(experts_NK, experts.gate_up_proj.shape[0])
+        if getattr(experts.mm, "gathered", None) is not None:
+            # A grouped GEMM that fuses the gather (FP8, CUDA only): the torch permute's rows, ungathered, and
+            # its own unpermute (the installed one may be another device's, with another state).
+            rows, state = moe_token_routed_rows(x_ND, experts_NK)
+            return moe_token_unpermute_torch(compute_experts(experts, rows, counts_E), weights_NK, state)
+        x_MD, state = moe_token_permute(x_ND, experts_NK)
+        return moe_token_unpermute(compute_experts(experts, x_MD, counts_E), weights_NK, state)
 
 
 def sort_by_expert(experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

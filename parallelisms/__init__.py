@@ -6,12 +6,13 @@ from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.dims import ParallelDims, ParallelSizes, build_parallel_dims, init_distributed, resolve_sizes
 from parallelisms.dispatchers import DispatcherConfig
 from parallelisms.expert_parallel import raise_if_dispatch_overflowed
-from parallelisms.grad_norm import clip_grad_norm_
+from parallelisms.grad_norm import clip_coefficient, clip_grad_norm_, grad_norm, scale_grads_
 from parallelisms.parallelize import expert_shard_dim, parallelize_model, parallelize_qwen3_moe
 from parallelisms.validate import validate_parallel_config
 
 __all__ = [
     "BackendConfig", "DispatcherConfig", "ParallelConfig", "ParallelDims", "ParallelSizes", "build_parallel_dims",
-    "clip_grad_norm_", "expert_shard_dim", "init_distributed", "parallelize_model", "parallelize_qwen3_moe",
-    "raise_if_dispatch_overflowed", "resolve_sizes", "validate_parallel_config",
+    "clip_coefficient", "clip_grad_norm_", "expert_shard_dim", "grad_norm", "init_distributed", "parallelize_model",
+    "parallelize_qwen3_moe", "raise_if_dispatch_overflowed", "resolve_sizes", "scale_grads_",
+    "validate_parallel_config",
 ]

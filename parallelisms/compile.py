@@ -11,6 +11,10 @@ the block's FSDP and activation-checkpointing hooks run eagerly around the compi
 with both in any order. Compiled code under checkpointing recomputes as eager code does (its saved tensors go
 through the same hooks); under selective checkpointing, ops the compiler fused are recomputed, not saved.
 Compilation is lazy (the first forward), after the kernel registry has filled the kernel slots.
+
+On one rank (``LocalDispatcher``, no hooks on the experts) the MoE path reads nothing back to the host, and the MoE
+block compiles in one graph with the CUDA grouped GEMM (tests/test_compile.py); whole blocks, experts included, are
+not compiled here yet: whether that pays is for a GPU measurement to say (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,17 +4,15 @@ dispatcher that moves tokens to them; and, where the expert FSDP would span one 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._pytree import tree_map_only
 
 from models.moe import GroupedExperts
+from parallelisms.compute_copy import ComputeCopies, install_compute_copies, unit_slots
 from parallelisms.dispatchers import DispatcherConfig, dispatcher_class
 from parallelisms.dispatchers.base import Dispatcher
 
@@ -42,26 +40,8 @@ def raise_if_dispatch_overflowed(model: nn.Module) -> None:
             module.dispatcher.raise_if_overflowed()
 
 
-class _ComputeCopy(torch.autograd.Function):
-    """FSDP's work on one rank's weight, without its buffers: forward the weight in the compute dtype (the
-    all-gather's cast); backward the gradient in the reduce dtype divided by the divide factor, then in the
-    weight's dtype (the single-rank reduce-scatter's ``input / factor`` and the cast to the sharded gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, w: torch.Tensor, dtype: torch.dtype, reduce_dtype: torch.dtype,
-                factor: float) -> torch.Tensor:
-        ctx.w_dtype, ctx.reduce_dtype, ctx.factor = w.dtype, reduce_dtype, factor
-        return w.to(dtype) if dtype != w.dtype else w.view_as(w)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        reduced = g.to(ctx.reduce_dtype)
-        reduced = reduced.div_(ctx.factor) if reduced is not g else reduced / ctx.factor  # never g in place
-        return reduced.to(ctx.w_dtype), None, None, None
-
-
 def replace_single_rank_fsdp(experts: GroupedExperts, expert_fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
-                             divide_factor: float) -> None:
+                             divide_factor: float, copies: ComputeCopies) -> None:
     """Stand-in for ``fully_shard(experts, mesh=expert_fsdp_mesh, mp_policy=..., shard_placement_fn=Shard(0))``
     followed by ``set_gradient_divide_factor(divide_factor)`` where that mesh has one rank (after EP: the
     weights' Shard(0) DTensors on the ep mesh), with the same numerics and the same parameters, minus FSDP's
@@ -71,42 +51,20 @@ def replace_single_rank_fsdp(experts: GroupedExperts, expert_fsdp_mesh: DeviceMe
       placements (_StridedShard(0, ep), Shard(0)); so state dicts, DCP checkpoints, the optimizer and
       ``clip_grad_norm_`` see exactly what they see under FSDP, and checkpoints load across both paths.
     - In forward the module reads what FSDP would unshard: each weight in ``mp_policy.param_dtype`` as a
-      Shard(0) DTensor on the ep mesh (set in the instance's ``__dict__``, which shadows ``_parameters`` for
-      attribute reads only, and removed after forward); floating inputs are cast as FSDP casts them.
+      Shard(0) DTensor on the ep mesh, from ``copies``, which casts it once per optimizer step
+      (``parallelisms.compute_copy``); floating inputs are cast as FSDP casts them.
     - Backward: the gradient reaches the fp32 parameter in ``reduce_dtype`` divided by ``divide_factor``, per
       backward (so accumulation over micro-batches adds the same terms as FSDP's sharded gradient does).
     """
     ep_mesh = next(experts.parameters()).device_mesh
     mesh = DeviceMesh._concatenate([expert_fsdp_mesh, ep_mesh])  # what FSDP builds for an EP DTensor
     placements = (_StridedShard(0, split_factor=ep_mesh.size()), Shard(0))
-    names = [name for name, _ in experts.named_parameters(recurse=False)]
-    for name in names:
-        param = experts.get_parameter(name)
+    for name, param in list(experts.named_parameters(recurse=False)):
         spmd = DTensor.from_local(param.to_local().detach(), mesh, placements, run_check=False, shape=param.shape,
                                   stride=param.stride())
         experts.register_parameter(name, nn.Parameter(spmd, requires_grad=param.requires_grad))
 
-    def unshard(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        for name in names:
-            param = module._parameters[name]  # the parameter itself, never a forward's shadow
-            dtype = mp_policy.param_dtype or param.dtype
-            w = _ComputeCopy.apply(param.to_local(), dtype, mp_policy.reduce_dtype or dtype, divide_factor)
-            module.__dict__[name] = DTensor.from_local(w, ep_mesh, (Shard(0),), run_check=False, shape=param.shape,
-                                                       stride=param.stride())
-        if mp_policy.cast_forward_inputs and mp_policy.param_dtype is not None:
-            args, kwargs = tree_map_only(torch.Tensor, lambda x: _cast_float(x, mp_policy.param_dtype), (args, kwargs))
-        return args, kwargs
+    def as_read(w: torch.Tensor, param: torch.Tensor) -> DTensor:
+        return DTensor.from_local(w, ep_mesh, (Shard(0),), run_check=False, shape=param.shape, stride=param.stride())
 
-    def reshard(module: nn.Module, args: tuple, output: Any) -> Any:
-        for name in names:
-            module.__dict__.pop(name, None)
-        if mp_policy.output_dtype is not None:
-            output = tree_map_only(torch.Tensor, lambda x: _cast_float(x, mp_policy.output_dtype), output)
-        return output
-
-    experts.register_forward_pre_hook(unshard, with_kwargs=True)
-    experts.register_forward_hook(reshard, always_call=True)
-
-
-def _cast_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
+    install_compute_copies(experts, unit_slots(experts, set()), copies, mp_policy, divide_factor, as_read)

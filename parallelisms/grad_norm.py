@@ -30,31 +30,60 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _grads_by_groups(model: nn.Module) -> tuple[dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]], torch.device]:
+    """Every local gradient, keyed by the process groups its parameter is sharded over (parameter order, hence the
+    order of the collectives, is the same on every rank; a group whose parameters have no gradient keeps an empty
+    list, so every rank still runs its all-reduce); and the device of the parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads_by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+    for p in params:
+        grads = grads_by_groups.setdefault(_sharded_over(p), [])
+        if p.grad is not None:
+            grads.append(_local(p.grad))
+    return grads_by_groups, _local(params[0]).device
+
+
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
-    """Total L2 norm (fp32) of the gradients of ``model``, equal to the norm of the unsharded gradients;
-    with ``max_norm > 0`` also clips them in place to it. ``dims`` keeps the parallelisms API uniform: the
-    layout is read from the parameters themselves, so DDP, FSDP, EP and one process all take this path.
+def grad_norm(model: nn.Module, dims: ParallelDims) -> torch.Tensor:
+    """Total L2 norm (fp32) of the gradients of ``model``, equal to the norm of the unsharded gradients: one
+    ``_foreach_norm`` pass over each mesh group's local gradients, one all-reduce per process group of its sum of
+    squares. ``dims`` keeps the parallelisms API uniform: the layout is read from the parameters themselves, so DDP,
+    FSDP, EP and one process all take this path.
 
     Collective: every rank must call it. The groups come from the parameters, not from their gradients, and
     a missing gradient counts as zero, so all ranks run the same collectives even before any backward: one
     call at start-up (the warm-up) creates every communicator it needs outside the training loop.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads_by_groups: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
-    for p in params:  # parameter order, hence the order of the collectives, is the same on every rank
-        grads = grads_by_groups.setdefault(_sharded_over(p), [])
-        if p.grad is not None:
-            grads.append(_local(p.grad))
-    total = torch.zeros((), dtype=torch.float32, device=_local(params[0]).device)
+    grads_by_groups, device = _grads_by_groups(model)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, grads in grads_by_groups.items():
         sq = (torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum() if grads
               else torch.zeros_like(total))
         for group in groups:
             dist.all_reduce(sq, group=group)
         total += sq
-    norm = total.sqrt()
-    grads = [g for gs in grads_by_groups.values() for g in gs]
-    if max_norm > 0 and grads:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return total.sqrt()
+
+
+def clip_coefficient(max_norm: float, norm: torch.Tensor | float) -> torch.Tensor | float:
+    """What clipping to ``max_norm`` scales every gradient by, given the total norm (1 where it is within)."""
+    coef = max_norm / (norm + 1e-6)
+    return coef.clamp(max=1.0) if isinstance(coef, torch.Tensor) else min(coef, 1.0)
+
+
+@torch.no_grad()
+def scale_grads_(model: nn.Module, coef: torch.Tensor | float) -> None:
+    """Every local gradient times ``coef``, in one ``_foreach_mul_`` (no collective: the coefficient is global)."""
+    grads = [g for gs in _grads_by_groups(model)[0].values() for g in gs]
+    if grads:
+        torch._foreach_mul_(grads, coef)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, dims: ParallelDims) -> torch.Tensor:
+    """``grad_norm``; with ``max_norm > 0`` also clips the gradients in place to it, on the device (the trainer, which
+    reads the norm on the host anyway, scales only the steps that clip: ``grad_norm`` + ``scale_grads_``)."""
+    norm = grad_norm(model, dims)
+    if max_norm > 0:
+        scale_grads_(model, clip_coefficient(max_norm, norm))
     return norm

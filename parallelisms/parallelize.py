@@ -1,8 +1,9 @@
 """Apply a model's parallel plan, declared by its ``ModelSpec``, for the configured backend.
 
 fsdp2, inside-out as fully_shard requires: EP -> expert FSDP -> block FSDP -> root -> prefetch chains.
-ddp: one replica per rank, gradients all-reduced. none: the model as it is. Activation checkpointing
-and (cp > 1) Ulysses context parallelism apply to all three.
+ddp: one replica per rank, gradients all-reduced. none: the model as it is, or under bf16 the one-rank stand-in
+for FSDP2's units and mixed precision (``parallelisms.compute_copy``). Activation checkpointing and (cp > 1)
+Ulysses context parallelism apply to all three.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from core.device import local_device
 from models import ModelSpec
 from models.moe import GroupedExperts
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compute_copy import ComputeCopies, install_compute_copies, unit_slots
 from parallelisms.compile import apply_compile
 from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.context_parallel import apply_context_parallel
@@ -40,14 +42,16 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
         apply_context_parallel(model, dims.mesh("cp"))
     if compile_blocks:  # AC -> compile -> FSDP (torchtitan's order); hook-free pieces: every backend's hooks stay eager
         apply_compile(model, spec)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cfg.backend.name == "none":
+        if param_dtype != torch.float32:  # fp32: the reference, untouched
+            _apply_one_rank_plan(model, spec, mp_policy)
         return model
     if cfg.backend.name == "ddp":
         # The composable DDP: parameter names stay unchanged (no "module." prefix), and DDP itself is built
         # lazily at the first forward, after the meta model has been materialised and initialised. Parameters
         # stay in their dtype: bf16 compute under DDP is the caller's autocast.
         return replicate(model, device_id=local_device(dims.mesh("world").device_type))
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return _apply_fsdp2_plan(model, spec, dims, cfg.backend, dispatcher or DispatcherConfig(), mp_policy)
 
 
@@ -62,6 +66,25 @@ def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:
     """Dim the expert FSDP shards: the experts (0) unless efsdp x ep exceeds them, when some ranks would
     hold no expert at all; then the rows of each expert (1)."""
     return 1 if efsdp * ep > num_experts else 0
+
+
+def _units(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
+    """The fsdp2 plan's units, without the prefetch chains: embeddings, each block, each block's experts, the
+    final norm and LM head, the root (whatever the others do not hold)."""
+    blocks = list(model.get_submodule(spec.blocks))
+    return [model.get_submodule(spec.embeddings), *blocks, *(b.get_submodule(spec.experts) for b in blocks),
+            *(model.get_submodule(name) for name in spec.final), model]
+
+
+def _apply_one_rank_plan(model: nn.Module, spec: ModelSpec, mp_policy: MixedPrecisionPolicy) -> None:
+    """One process under bf16: the numerics of ``_apply_fsdp2_plan`` over one rank (each unit's parameters read
+    in param_dtype, its floating inputs cast, gradients in reduce_dtype; no divide: the world is one rank), with
+    each compute copy cast once per optimizer step and no FSDP copies. Parameters stay plain fp32 tensors, as
+    without it: checkpoints load across both, and across layouts as before. A tied LM head is cast once."""
+    units = _units(model, spec)
+    copies = ComputeCopies(mp_policy.param_dtype)
+    for unit in units:
+        install_compute_copies(unit, unit_slots(unit, set(units) - {unit}), copies, mp_policy, divide_factor=1.0)
 
 
 def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, backend: BackendConfig,
@@ -123,11 +146,13 @@ def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: Ba
     if expert_fsdp_is_one_rank(dims):
         # One rank in the expert FSDP mesh (world = ep: ep2 on 2, ep8 on 8): FSDP would only cast, copy and
         # divide each step. Do its cast and divide by hand, with its numerics and its parameter layout
-        # (checkpoints load across both). Safe under grad accumulation (each backward divides its own
-        # gradient, as FSDP's reduce-scatter does), AC (the cast is recomputed with the block) and compile
-        # (the experts stay eager); cp > 1 never gets here (the experts are replicated over expert_cp).
+        # (checkpoints load across both), casting each weight once per optimizer step. Safe under grad
+        # accumulation (each backward divides its own gradient, as FSDP's reduce-scatter does), AC (the
+        # recompute reads the same copy) and compile (the experts stay eager); cp > 1 never gets here (the
+        # experts are replicated over expert_cp).
+        copies = ComputeCopies(mp_policy.param_dtype)
         for module in experts:
-            replace_single_rank_fsdp(module, dims.mesh("expert_fsdp"), mp_policy, dims.grad_scale)
+            replace_single_rank_fsdp(module, dims.mesh("expert_fsdp"), mp_policy, dims.grad_scale, copies)
         return
     shard_dim = expert_shard_dim(dims.efsdp, dims.ep, num_experts)
     if shard_dim:

@@ -10,12 +10,25 @@ non-embedding parameters (LM head included) + 12 x layers x heads x head_dim x s
 (Qwen3.5: full-attention layers only, plus the documented DeltaNet term). MFU = achieved / peak dense bf16
 (core/device.py's table; 989 TFLOP/s for an H100/H200). "data loading" is the share of the step spent in the
 data loader and the host-to-device copy (train.py's data_share metric).
+
+Packed documents (``--docs``): ``none`` (default) is one causal sequence per window; ``fixed:N`` documents of N
+tokens; ``lognormal:MEDIAN,SIGMA`` lengths drawn (``--seed``) from a log-normal of that median and sigma, at least
+1 token; each ended by ``--vocab`` (Qwen's <|endoftext|>, never drawn as a random id) and read with
+``data.eos_id`` so position ids restart per document; ``chitchat`` the Chit-Chat corpus through the data
+pipeline (real conversations, ChatML). Windows are cut from the stream, so a document may straddle two windows.
+"attended MFU" counts only the attention pairs computed (each document's causal half, docs/benchmarks.md), so
+packed and causal rows compare fairly; tokens/s stays the headline. Free disk space of the output and Triton cache
+directories is printed at start and end (a full disk fails a checkpoint write with ``unexpected pos``).
+
+    python scripts/bench.py --layers 4 --seq-len 32768 --local-batch 1 --docs fixed:2048
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +38,58 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
+def document_lengths(spec: str, total: int, seed: int) -> np.ndarray:
+    """Document lengths for ``--docs`` fixed:N or lognormal:MEDIAN,SIGMA, covering ``total`` tokens."""
+    kind, _, params = spec.partition(":")
+    if kind == "fixed":
+        n = int(params)
+        return np.full(-(-total // n), n)
+    if kind == "lognormal":
+        median, sigma = (float(x) for x in params.split(","))
+        lengths = np.maximum(1, np.random.default_rng(seed).lognormal(np.log(median), sigma, size=total)).astype(int)
+        return lengths[:np.searchsorted(lengths.cumsum(), total) + 1]
+    raise SystemExit(f"--docs {spec!r}: expected none, fixed:N, lognormal:MEDIAN,SIGMA or chitchat")
+
+
+def write_tokens(args: argparse.Namespace, path: Path) -> None:
+    """Random token ids for every step, documents ended by --vocab unless --docs none."""
+    need = args.steps * args.local_batch * args.nproc * (args.seq_len + 1) * 2
+    ids = np.random.default_rng(args.seed).integers(0, args.vocab, size=need, dtype=np.int64)
+    if args.docs != "none":
+        ends = document_lengths(args.docs, need, args.seed).cumsum() - 1  # a document's last token is its EOS
+        ids[ends[ends < need]] = args.vocab
+    np.save(path, ids)
+
+
+def data_overrides(args: argparse.Namespace, tokens: Path) -> list[str]:
+    if args.docs == "chitchat":
+        return ["data=chitchat"]
+    return ["data=tokens", f"data.path={tokens}", *([f"data.eos_id={args.vocab}"] if args.docs != "none" else [])]
+
+
+def disk_line(when: str, out: Path) -> str:
+    """Free space where the run writes (checkpoints, the data cache) and where Triton (and FLA's autotuner) cache."""
+    triton = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    parts = []
+    for name, path in (("output", out), ("triton cache", triton)):
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        parts.append(f"{name} {path}: {shutil.disk_usage(existing).free / 2**30:.1f} GiB free")
+    return f"disk at {when}: " + "; ".join(parts)
+
+
+def cell_overrides(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> list[str]:
+    """The train.py overrides of one grid cell (tests/test_docs.py composes the documented bench commands' cells)."""
+    return [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
+            f"dispatcher={dispatcher}", *data_overrides(args, tokens), f"data.seq_len={args.seq_len}",
+            f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
+            f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
+            "train.save_final=false", "logging.tensorboard=false", f"logging.profile_step={args.profile_step}",
+            "logging.profile_steps=1", *args.extra]
+
+
 def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
     cell_dir = out / f"{layout}-{dispatcher}"
-    overrides = [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
-                 f"dispatcher={dispatcher}", "data=tokens", f"data.path={tokens}", f"data.seq_len={args.seq_len}",
-                 f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
-                 f"train.steps={args.steps}", f"train.output_dir={cell_dir}", "train.save_final=false",
-                 "logging.tensorboard=false", f"logging.profile_step={args.profile_step}", "logging.profile_steps=1",
-                 *args.extra]
+    overrides = cell_overrides(args, layout, dispatcher, out, tokens)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
                 if args.nproc > 1 else [sys.executable])
     summary = cell_dir / "profile" / "summary_rank0.md"
@@ -48,13 +105,15 @@ def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, 
     mean = lambda key: float(np.mean([m[key] for m in timed]))  # noqa: E731
     tps = mean("tokens_per_s_per_device")
     mfu = mean("mfu") if timed[0]["mfu"] is not None else None
+    attended_mfu = mean("attended_mfu") if timed[0]["attended_mfu"] is not None else None
     return {"layout": layout, "dispatcher": dispatcher, "tokens_per_s_per_gpu": tps,
             "tflops_per_gpu": mean("tflops_per_device"), "mfu": mfu,
+            "attended_tflops_per_gpu": mean("attended_tflops_per_device"), "attended_mfu": attended_mfu,
             "peak_mem_gib": max(m["peak_mem_gib"] for m in metrics), "final_loss": metrics[-1]["loss"],
             "data_share": mean("data_share")}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3_moe_30b_a3b")
     parser.add_argument("--layers", type=int, default=8)
@@ -69,26 +128,37 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151643, help="token ids are drawn below this")
     parser.add_argument("--profile-step", type=int, default=0,
                         help="profile this step (not averaged) and print each cell's summary")
+    parser.add_argument("--docs", default="none",
+                        help="none | fixed:N | lognormal:MEDIAN,SIGMA | chitchat (packed documents, see above)")
+    parser.add_argument("--seed", type=int, default=0, help="token ids and --docs lognormal lengths")
     parser.add_argument("extra", nargs="*", help="more train.py overrides")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    print(disk_line("start", args.out))
     tokens = args.out / "random_tokens.npy"
-    need = args.steps * args.local_batch * args.nproc * (args.seq_len + 1) * 2
-    np.save(tokens, np.random.default_rng(0).integers(0, args.vocab, size=need, dtype=np.int64))
+    if args.docs != "chitchat":
+        write_tokens(args, tokens)
     rows = [run_cell(args, layout, dispatcher, args.out, tokens)
             for layout in args.layouts.split(",") for dispatcher in args.dispatchers.split(",")]
     print(f"\n{args.model} x {args.layers} layers, seq {args.seq_len}, local batch {args.local_batch}, "
-          f"{args.nproc} process(es), mean over steps {args.warmup + 1}..{args.steps}")
-    print("| layout | dispatcher | tokens/s/GPU | TFLOPS/GPU | MFU | peak mem GiB | data loading | final loss |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{args.nproc} process(es), documents {args.docs}, mean over steps {args.warmup + 1}..{args.steps}")
+    print("| layout | dispatcher | tokens/s/GPU | TFLOPS/GPU | MFU | attended MFU | peak mem GiB | data loading | "
+          "final loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    percent = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     for r in rows:
         if "error" in r:
-            print(f"| {r['layout']} | {r['dispatcher']} | {r['error']} | | | | | |")
+            print(f"| {r['layout']} | {r['dispatcher']} | {r['error']} | | | | | | |")
             continue
         tflops = f"{r['tflops_per_gpu']:.0f}"
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        print(f"| {r['layout']} | {r['dispatcher']} | {r['tokens_per_s_per_gpu']:,.0f} | {tflops} | {mfu} | "
-              f"{r['peak_mem_gib']:.1f} | {r['data_share']:.2%} | {r['final_loss']:.3f} |")
+        print(f"| {r['layout']} | {r['dispatcher']} | {r['tokens_per_s_per_gpu']:,.0f} | {tflops} | "
+              f"{percent(r['mfu'])} | {percent(r['attended_mfu'])} | {r['peak_mem_gib']:.1f} | "
+              f"{r['data_share']:.2%} | {r['final_loss']:.3f} |")
+    print(disk_line("end", args.out))
     (args.out / "bench.json").write_text(json.dumps(rows, indent=2))
 
 

@@ -2,10 +2,18 @@
 
     python scripts/check_kernels.py [--kernels auto,flash-linear-attention] [--chunk-size 64] [--device auto]
 
+Packed-document attention: every implementation that can run (flex_attention, varlen_attn), not only the chosen
+one, against the dense-mask reference on 4096-token rows of mixed-length documents (1 to 1500, one-token ones
+among them; Qwen3's heads of 128 and Qwen3.5's of 256), then one timing line per implementation on one
+32,768-token window of 2,048-token documents (32 query / 4 kv heads of 128, bf16, forward + backward; the documents
+built outside the timed region, as the decoder builds them once per batch), beside causal SDPA on the same window
+as one sequence (16x the attended pairs).
+
 Shapes: Qwen3.5-35B-A3B (hidden 2048, DeltaNet 16 k-heads x 128 and 32 v-heads x 128, attention heads of 256 with
 64 rotary channels, shared expert 512) and Qwen3-30B-A3B (heads of 128; 128 experts top-8 of intermediate 768,
 16 local under ep8), 4 x 4096 tokens (2 x 4096 for the delta rule), bf16 activations and weights as under FSDP
-mixed precision. The dispatch path's ops too: the permutes' K-to-one steps, the token permutes, the grouped GEMM.
+mixed precision. The dispatch path's ops too: the permutes' K-to-one steps, the token permutes, the grouped GEMM;
+and the optimizer's update with bf16 moments (optim.state_dtype=bfloat16).
 
 Error: ``|out - ref| / |ref|`` (norm-wise) of every output and input gradient, where ``ref`` is the torch
 reference run in fp32 on the same inputs; the torch reference's own bf16 error is printed beside it as the
@@ -18,8 +26,9 @@ what runs there).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +37,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.config import FLA_OPS, KernelConfig, validate_kernel_config  # noqa: E402
+from kernels.attention import DenseMaskAttention, causal_sdpa  # noqa: E402
+from kernels.config import FLA_OPS, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, validate_kernel_config  # noqa: E402
 from kernels.registry import OPS, select_kernels  # noqa: E402
 from core import device  # noqa: E402
 
@@ -201,6 +211,89 @@ def _round_trip(permute: Callable, unpermute: Callable) -> Callable:
 
 PAIRED = {"moe_token_unpermute": "moe_token_permute"}  # op -> the op whose state it reads
 
+ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_DIM = 32, 4, 128  # Qwen3-30B-A3B
+
+
+def _document_ids(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """[T] document index of each token, for documents of ``lengths`` (cut at T)."""
+    ends = lengths.cumsum(0)
+    return torch.searchsorted(ends[ends < T], torch.arange(T, device=lengths.device), right=True)
+
+
+def _attention_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int, mixed: bool,
+                      heads: tuple[int, int, int] = (ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_DIM)) -> Inputs:
+    """q [B, H, T, d], k and v [B, h, T, d] for ``heads`` (H, h, d); documents of 1 to 1500 tokens (every 7th of
+    one token) or of 2,048."""
+    if mixed:
+        lengths = torch.randint(1, 1500, (B, T), generator=gen, device=dev)
+        lengths[:, ::7] = 1
+        ids_BT = torch.stack([_document_ids(row, T) for row in lengths])
+    else:
+        ids_BT = (torch.arange(T, device=dev) // 2048).expand(B, T)
+    H, h, d = heads
+    return {"q": _randn(gen, dev, B, H, T, d), "k": _randn(gen, dev, B, h, T, d), "v": _randn(gen, dev, B, h, T, d),
+            "ids": ids_BT}
+
+
+def _attention_call(fn: Callable, t: Inputs) -> torch.Tensor:
+    return fn(t["q"], t["k"], t["v"], fn.documents(t["ids"]), t["q"].shape[-1]**-0.5)
+
+
+ATTENTION_CASES = [
+    Case("qwen3 32/4 x 128, 2 x 4096 mixed docs", lambda gen, dev: _attention_inputs(gen, dev, 2, 4096, mixed=True),
+         _attention_call, TOL_ELEMENTWISE),
+    # Qwen3.5-35B-A3B's full-attention heads of 256 (the kernels' largest head dim)
+    Case("qwen3.5 16/2 x 256, 4096 mixed docs",
+         lambda gen, dev: _attention_inputs(gen, dev, 1, 4096, mixed=True, heads=(16, 2, 256)), _attention_call,
+         TOL_ELEMENTWISE),
+]
+
+
+def check_attention(dev: torch.device, cfg: KernelConfig) -> list[str]:
+    """Every document-attention implementation that runs here against the dense mask, then one timing line each on
+    a 32k window of 2,048-token documents. Returns the failures."""
+    failed, timed = [], {"torch dense mask": DenseMaskAttention()}
+    for name in (FLEX_ATTENTION, VARLEN_ATTN):
+        try:
+            kernel = select_kernels(replace(cfg, attention=name), dev.type).get("document_attention")
+        except ValueError as error:
+            print(f"  document_attention {name}: skipped: {error}")
+            continue
+        for case in ATTENTION_CASES:
+            if not check_case(f"document_attention {name}", kernel, DenseMaskAttention(), case, dev):
+                failed.append(f"document_attention {name} [{case.name}]")
+            device.module(dev.type).empty_cache()
+        timed[name] = kernel
+    gen = torch.Generator(device=dev).manual_seed(0)
+    t = _attention_inputs(gen, dev, 1, 32768, mixed=False)
+    q, k, v = (t[x].requires_grad_() for x in "qkv")
+    grad_out = torch.randn_like(q)
+    scale = ATTENTION_DIM**-0.5
+    steps = {name: functools.partial(fn, q, k, v, fn.documents(t["ids"]), scale) for name, fn in timed.items()}
+    steps["causal sdpa, one 32k sequence"] = functools.partial(causal_sdpa, q, k, v, scale)
+    for name, call in steps.items():
+        fwd = device.time_ms(dev.type, call)
+        bwd = device.time_ms(dev.type, lambda call=call: torch.autograd.grad(call(), (q, k, v), grad_out))
+        print(f"  document_attention 32k window, 2,048-token docs: {name:30s} fwd {fwd:8.2f} ms  fwd+bwd {bwd:8.2f} ms")
+        device.module(dev.type).empty_cache()
+    return failed
+
+
+def _adamw_case(name: str, output: int) -> Case:
+    """A 4M-parameter update at step 10 with bf16 moments (fp32 p and g); ``output``: 0 the change of p, 1 exp_avg,
+    2 exp_avg_sq (each checked on its own: the moments are ~1e-4 of p)."""
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        n = 1 << 22
+        return {"p": _randn(gen, dev, n, dtype=torch.float32), "g": _randn(gen, dev, n, scale=1e-2, dtype=torch.float32),
+                "m": _randn(gen, dev, n, scale=1e-2), "v": _randn(gen, dev, n, scale=1e-2).square()}
+
+    def call(fn: Callable, t: Inputs) -> torch.Tensor:
+        p, m, v = t["p"].clone(), t["m"].clone(), t["v"].clone()
+        fn(p, t["g"], m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0)
+        return (p - t["p"], m, v)[output].float()
+
+    return Case(name, make, call, TOL_ELEMENTWISE, backward=False)
+
 
 CASES: dict[str, list[Case]] = {
     "rms_norm": [_norm_case("qwen3 hidden 2048", (4 * 4096, 2048), 1.0),
@@ -238,6 +331,8 @@ CASES: dict[str, list[Case]] = {
     "grouped_mm": [_grouped_mm_case("qwen3 ep8 gate_up, 64k rows", 65536, 2 * I_EXPERT, D_HIDDEN),
                    _grouped_mm_case("qwen3 ep8 down, 64k rows", 65536, D_HIDDEN, I_EXPERT),
                    _grouped_mm_case("qwen3 ep8 gate_up, an idle expert", 65536, 2 * I_EXPERT, D_HIDDEN, True)],
+    "adamw_step": [_adamw_case("4M params, bf16 moments, dp", 0), _adamw_case("4M params, bf16 moments, m", 1),
+                   _adamw_case("4M params, bf16 moments, v", 2)],
 }
 
 
@@ -325,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--ops: unknown {sorted(unknown)}; valid: {', '.join(OPS)}")
     for op, choice in kernels.choices.items():
-        if choice.impl == "torch" or (only and op not in only):
+        if op == "document_attention" or choice.impl == "torch" or (only and op not in only):
             continue
         kernel, reference = kernels.get(op), OPS[op].reference(cfg)
         if op in PAIRED:
@@ -335,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             if not check_case(op, kernel, reference, case, dev):
                 failed.append(f"{op} [{case.name}]")
             device.module(dev_type).empty_cache()
+    if not only or "document_attention" in only:
+        failed += check_attention(dev, cfg)
     if failed:
         print(f"FAILED: {', '.join(failed)}")
         return 1

@@ -9,7 +9,9 @@ against its file record) with the config recorded in it (``model.model_type``, `
 ``data.tokenizer`` of older runs) as ``tokenizer.json``, ``tokenizer_config.json`` (chat template) and
 ``generation_config.json``, so ``AutoTokenizer`` and ``pipeline("text-generation")`` work on it. A run without one
 of our tokenizers (``none``, or pre-tokenized ids of another vocabulary) exports weights and config.json only, and
-says so; ``--tokenizer`` overrides the recorded one.
+says so; ``--tokenizer`` overrides the recorded one. The export replaces ``out-dir`` wholesale, so ``out-dir`` must be
+new, empty or an earlier export (its ``.hf_export.json`` lists its files); a run directory or any other folder
+is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from models import build_args, get_spec  # noqa: E402
-from models.hf_io import DEFAULT_MAX_SHARD_BYTES, export_state_dict_hf  # noqa: E402
+from models.hf_io import DEFAULT_MAX_SHARD_BYTES, check_export_dir, export_state_dict_hf  # noqa: E402
 from training.checkpoint import TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state  # noqa: E402
 from training.data.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
 from training.data.tokenizer import TOKENIZERS  # noqa: E402
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", choices=[*TOKENIZERS, "none"],
                         help="the tokenizer files to write (default: the run's model.tokenizer)")
     opts = parser.parse_args(argv)
+    check_export_dir(opts.out_dir)  # before the checkpoint is read: OUT is replaced wholesale
     weights, config, source = run_config(opts.checkpoint)
     model_type, args = model_type_and_args(config, source)
     tokenizer, decided = run_tokenizer(config, args.vocab_size, opts.tokenizer)

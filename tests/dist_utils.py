@@ -146,23 +146,31 @@ def loss_share(model: torch.nn.Module, dims, tokens_GT1: torch.Tensor) -> torch.
 
 
 def train_steps(model: torch.nn.Module, dims, tokens_SGT1: torch.Tensor, lr: float = 1e-2,
-                max_norm: float = 0.5) -> list[dict[str, float]]:
+                max_norm: float = 0.5, micro_batches: int = 1, autocast: torch.autocast | None = None,
+                fused: bool | None = None) -> list[dict[str, float]]:
     """The training step of train.py in a few lines: loss share, backward with grad_scale, cross-mesh
-    clipping, AdamW; returns the global loss and grad norm of every step."""
+    clipping, AdamW; returns the global loss and grad norm of every step. ``micro_batches``: each step's batch
+    in that many chunks, one backward each on its part of the share; ``autocast``: around each forward;
+    ``fused``: AdamW's (its fused kernel bumps no version counter of the parameters it updates)."""
+    from contextlib import nullcontext
+
     from parallelisms import clip_grad_norm_
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=fused)
     history = []
     for step, tokens_GT1 in enumerate(tokens_SGT1, 1):
-        share = loss_share(model, dims, tokens_GT1)
-        (share * dims.grad_scale).backward()
+        share = 0.0
+        for tokens in tokens_GT1.chunk(micro_batches):
+            with autocast or nullcontext():
+                part = loss_share(model, dims, tokens) / micro_batches
+            (part * dims.grad_scale).backward()
+            share = share + part.detach()
         grad_norm = clip_grad_norm_(model, max_norm, dims)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = share.detach()
         if dims.data_group is not None:
-            dist.all_reduce(loss, group=dims.data_group)
-        history.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item()})
+            dist.all_reduce(share, group=dims.data_group)
+        history.append({"step": step, "loss": share.item(), "grad_norm": grad_norm.item()})
     return history
 
 

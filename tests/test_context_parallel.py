@@ -6,7 +6,9 @@
   selective activation checkpointing around the all-to-alls; and one CP + EP layout on chats with only the
   assistant tokens trained, so dp ranks and cp shards hold different numbers of trained tokens.
 - Packed documents give the logits of each document run as its own row, without CP and under cp2 / cp4 (cp4
-  repeats the 2 kv heads and DeltaNet's 2 q/k heads); Qwen3-MoE's packed rows equal transformers' packed sequences.
+  repeats the 2 kv heads and DeltaNet's 2 q/k heads), with the dense-mask reference and under cp4 with each
+  document-attention kernel (FlexAttention's block mask and the varlen wrapper, built from the whole sequence's
+  position ids after the all-to-all); Qwen3-MoE's packed rows equal transformers' packed sequences.
 - The 16-rank cp2_ep4_efsdp2 meshes (a fake process group, no spawn), and the config checks.
 All ranks' work is one spawn of 8.
 """
@@ -31,6 +33,8 @@ from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, pa
                           validate_parallel_config)
 from tests.conftest import compose_config, trained_tokens_per_rank, write_chats
 from tests.dist_utils import load_full_weights, run_distributed
+from tests.test_attention import IMPLS as ATTENTION_KERNELS
+from tests.test_attention import use_attention
 from training.data.packing import context_shard
 from training.data.tokenizer import QwenTokenizer
 
@@ -109,8 +113,10 @@ def separate_rows_logits(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> 
     return torch.cat(rows)
 
 
-def cp_logits(family: str, preset: str, weights: dict, rank: int, world_size: int) -> torch.Tensor:
-    """Logits of the packed batch under ``preset``, each rank running its cp shard, gathered over cp."""
+def cp_logits(family: str, preset: str, weights: dict, rank: int, world_size: int,
+              attention: str | None = None) -> torch.Tensor:
+    """Logits of the packed batch under ``preset``, each rank running its cp shard, gathered over cp; with
+    ``attention`` (a key of ATTENTION_KERNELS) in every document-attention slot, else the reference."""
     cfg = compose_config([f"parallel={preset}"]).parallel
     spec = get_spec(family)
     dims = build_parallel_dims(cfg, world_size, rank, "cpu")
@@ -119,6 +125,8 @@ def cp_logits(family: str, preset: str, weights: dict, rank: int, world_size: in
     model = parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
+    if attention is not None:
+        use_attention(model, ATTENTION_KERNELS[attention]())
     input_ids_BT, position_ids_BT = packed_batch()
     shard = context_shard({"input_ids": input_ids_BT, "position_ids": position_ids_BT}, dims.cp_rank, dims.cp)
     with torch.no_grad():
@@ -130,6 +138,8 @@ def worker(rank: int, world_size: int, cfgs: dict, weights: dict) -> tuple[dict,
     histories = {name: train.run(cfg) for name, cfg in cfgs.items()}
     logits = {(family, preset): cp_logits(family, preset, weights[family], rank, world_size)
               for family in TINY for preset in ("cp2", "cp4")}
+    logits.update({(family, f"cp4-{name}"): cp_logits(family, "cp4", weights[family], rank, world_size, name)
+                   for family in TINY for name in ATTENTION_KERNELS})
     return histories, {f"{family}-{preset}": x for (family, preset), x in logits.items()}
 
 
@@ -204,7 +214,7 @@ def test_packed_documents_equal_separate_rows(family):
 
 
 @pytest.mark.parametrize("family", list(TINY))
-@pytest.mark.parametrize("preset", ["cp2", "cp4"])
+@pytest.mark.parametrize("preset", ["cp2", "cp4", *(f"cp4-{name}" for name in ATTENTION_KERNELS)])
 def test_packed_documents_equal_separate_rows_under_cp(runs, family, preset):
     *_, logits, weights = runs
     model = get_spec(family).model_cls(model_args(family))

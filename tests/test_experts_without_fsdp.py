@@ -1,10 +1,12 @@
 """Experts over a one-rank expert FSDP mesh (world = ep) are left out of FSDP
 (``parallelisms.expert_parallel.replace_single_rank_fsdp``): ep2 on 2 gloo ranks trains like one process (fp32),
-like the experts under FSDP (bf16 mixed precision: the same bits), with the same parameter layout, and checkpoints
-load across the two paths. The FSDP path is forced by patching ``expert_fsdp_is_one_rank`` in the ranks."""
+like the experts under FSDP (bf16 mixed precision: the same bits, each expert weight cast once per step), with the
+same parameter layout, and checkpoints load across the two paths. The FSDP path is forced by patching
+``expert_fsdp_is_one_rank`` in the ranks."""
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +22,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
 from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, clip_grad_norm_, parallelize_model
-from parallelisms import parallelize
+from parallelisms import compute_copy, parallelize
+from parallelisms.compute_copy import cast_copies_
 from tests.dist_utils import (assert_same_curve, debug_model_args, fsdp_param_groups, load_full_weights, loss_share,
                               run_distributed, seeded_weights, synthetic_batches, train_steps)
 from training.checkpoint import load_checkpoint, save_checkpoint
@@ -69,19 +72,6 @@ def _step(model, dims, optimizer, tokens_GT1) -> float:
     return loss.item()
 
 
-def _accumulating_steps(model, dims, tokens_SGT1) -> list[float]:
-    """Two micro-batches per step (halves of the global batch), each backward on half the share."""
-    optimizer = _adamw(model)
-    losses = []
-    for tokens_GT1 in tokens_SGT1:
-        for half in tokens_GT1.chunk(2):
-            (loss_share(model, dims, half) * dims.grad_scale / 2).backward()
-        losses.append(clip_grad_norm_(model, 0.5, dims).item())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return losses
-
-
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -113,16 +103,27 @@ def _worker(rank: int, world_size: int, weights, tokens, root: str) -> dict:
 
     # bf16 mixed precision, fp32 master weights and reduction: the same bits as the experts under FSDP, also
     # with two micro-batches per step and under full and selective checkpointing (see activation_checkpoint.py's
-    # SAC_IGNORED_OPS for what selective needs without FSDP's hooks in the block).
+    # SAC_IGNORED_OPS for what selective needs without FSDP's hooks in the block). Fused AdamW, as on CUDA: it
+    # bumps no version counter, so a bf16 copy not re-cast after its step would show here. Casts are counted
+    # under full checkpointing with two micro-batches (one per step; per use it would be four).
+    casts = Counter()
+
+    def counted_cast(copies, params):
+        casts.update(p.data_ptr() for p in params)  # the local tensors of the DTensor parameters
+        cast_copies_(copies, params)
+
     for fsdp in (False, True):
-        model = _build(dims, weights, torch.bfloat16, fsdp)
-        out["bf16", fsdp] = train_steps(model, dims, tokens), _full(model.state_dict())
-        model = _build(dims, weights, torch.bfloat16, fsdp)
-        out["bf16_accumulation", fsdp] = _accumulating_steps(model, dims, tokens), _full(model.state_dict())
-        model = _build(dims, weights, torch.bfloat16, fsdp, replace(EP2, activation_checkpoint="full"))
-        out["bf16_full_ac", fsdp] = train_steps(model, dims, tokens), _full(model.state_dict())
-        model = _build(dims, weights, torch.bfloat16, fsdp, replace(EP2, activation_checkpoint="selective"))
-        out["bf16_selective_ac", fsdp] = train_steps(model, dims, tokens), _full(model.state_dict())
+        for case, cfg, micro_batches in (("bf16", EP2, 1), ("bf16_accumulation", EP2, 2),
+                                         ("bf16_full_ac", replace(EP2, activation_checkpoint="full"), 2),
+                                         ("bf16_selective_ac", replace(EP2, activation_checkpoint="selective"), 1)):
+            model = _build(dims, weights, torch.bfloat16, fsdp, cfg)
+            with mock.patch.object(compute_copy, "cast_copies_", counted_cast):
+                history = train_steps(model, dims, tokens, micro_batches=micro_batches, fused=True)
+            out[case, fsdp] = history, _full(model.state_dict())
+            if case == "bf16_full_ac" and not fsdp:
+                expert_params = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+                out["casts"] = sorted(casts[p.to_local().data_ptr()] for p in expert_params)
+            casts.clear()
 
     # Checkpoints across the paths: new saves after 2 steps, old resumes, steps and saves, new loads that.
     a = _build(dims, weights, torch.float32, False)
@@ -196,6 +197,10 @@ def test_ep2_bf16_matches_fsdp_experts_bit_for_bit(runs, case):
     assert history == fsdp_history
     for name, want in fsdp_weights.items():
         assert torch.equal(weights[name], want), name
+
+
+def test_ep2_experts_are_cast_to_bf16_once_per_step(runs):
+    assert set(runs[0]["casts"]) == {STEPS}
 
 
 def test_checkpoints_load_across_fsdp_and_bare_experts(runs):

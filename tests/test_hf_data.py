@@ -13,11 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from training.data.cache import tokenized_stream as _tokenized_stream
+from training.data.cache import tokenized_corpus
 from training.data.config import DataConfig, SourceConfig
 from training.data.loader import build_data_loader
 from training.data.tokenize_shards import MANIFEST, tokenize_to_shards
 from training.data.tokenizer import special_tokens
+
+
+def _tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
+    return tokenized_corpus(cfg, tokenizer).stream
+
 
 datasets = pytest.importorskip("datasets")
 pq = pytest.importorskip("pyarrow.parquet")

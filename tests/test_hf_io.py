@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
 from models import build_args, get_spec
-from models.hf_io import (INDEX, SAFETENSORS, args_from_hf_config, export_hf, export_state_dict_hf,
+from models.hf_io import (EXPORT_RECORD, INDEX, SAFETENSORS, args_from_hf_config, export_hf, export_state_dict_hf,
                           load_hf_into_model, load_hf_state_dict, load_into_model, preset_differences,
                           read_hf_config)
 from tests.dist_utils import run_distributed
@@ -66,13 +66,12 @@ def test_export_loads_in_transformers(tmp_path: Path) -> None:
     torch.testing.assert_close(hf(_ids()).logits, ours(_ids()).logits, rtol=0, atol=1e-5)
 
 
-def test_export_replaces_an_existing_directory(tmp_path: Path) -> None:
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "stale.txt").write_text("old export")
+def test_export_replaces_an_earlier_export(tmp_path: Path) -> None:
     model = _model()
+    export_state_dict_hf(model.state_dict(), "qwen3_moe", model.args, tmp_path / "hf", max_shard_bytes=SMALL_SHARD)
     export_state_dict_hf(model.state_dict(), "qwen3_moe", model.args, tmp_path / "hf", dtype=torch.bfloat16)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary or old directory left
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", SAFETENSORS]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [EXPORT_RECORD, "config.json", SAFETENSORS]
     assert read_hf_config(tmp_path / "hf")["torch_dtype"] == "bfloat16"
     assert load_file(tmp_path / "hf" / SAFETENSORS)["lm_head.weight"].dtype == torch.bfloat16
 

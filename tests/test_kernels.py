@@ -28,9 +28,9 @@ from tests.fake_torch_npu import FLOATS, GLUE, FakeTorchNpu, install
 ROOT = Path(__file__).resolve().parents[1]
 AUTO_OPS = [op for op in OPS if op not in FLA_OPS]
 DISPATCH_OPS = ("gather_sum", "unpermute_backward", "gather_quantize_rows", "moe_token_permute", "moe_token_unpermute",
-                "grouped_mm")
-# no torch_npu kernel
-TRITON_ONLY = ("softmax_cross_entropy", "gather_sum", "unpermute_backward", "gather_quantize_rows")
+                "grouped_mm", "adamw_step")
+TRITON_ONLY = ("softmax_cross_entropy", "gather_sum", "unpermute_backward", "gather_quantize_rows", "adamw_step",
+               "document_attention")  # no torch_npu kernel (packed-document attention: CUDA only)
 HOPPER_TRITON_36 = Env("cuda", triton_version="3.6.0", capability=(9, 0), fla_version="0.6.0")
 QWEN35 = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -197,7 +197,8 @@ def test_torch_references_equal_the_models_built_in_ops(model_type: str, arch: d
     if model_type == "qwen3_moe":
         # per layer: input, post-attention, q and k norms; final norm; rotary per attention; the experts'
         # activation; the LM head's CE
-        assert counts == {"rms_norm": 2 * 4 + 1, "apply_rotary": 2, "packed_swiglu": 2, "softmax_cross_entropy": 1}
+        assert counts == {"rms_norm": 2 * 4 + 1, "apply_rotary": 2, "packed_swiglu": 2, "softmax_cross_entropy": 1,
+                          "document_attention": 2 + 1}  # and the decoder, which builds the documents
     else:
         assert counts["chunk_gated_delta_rule"] == 2 and counts["gated_rms_norm"] == 2 and counts["swiglu"] == 4
     for a, b in zip(_logits_and_grads(model), _logits_and_grads(applied)):
@@ -268,7 +269,8 @@ def _dispatch_impls(cfg: KernelConfig, env: Env) -> dict[str, str]:
 
 
 def test_dispatch_path_choice_per_device() -> None:
-    triton = {"gather_sum": "triton", "unpermute_backward": "triton", "gather_quantize_rows": "triton"}
+    triton = {"gather_sum": "triton", "unpermute_backward": "triton", "gather_quantize_rows": "triton",
+              "adamw_step": "triton"}
     none = dict.fromkeys(DISPATCH_OPS, "torch")
     assert _dispatch_impls(KernelConfig(), Env("cuda", triton_version="3.7.1", capability=(9, 0))) == {
         **none, **triton, "grouped_mm": "torch._grouped_mm"}

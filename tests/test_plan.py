@@ -11,6 +11,8 @@ Memory: the plan's peak against the H200 peaks recorded in docs/benchmarks.md, w
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -23,7 +25,7 @@ import parallelisms
 import train
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from tests.dist_utils import run_distributed
-from training.planner import GiB, PlanConfig, plan
+from training.planner import GiB, PlanConfig, plan, smallest_world
 
 WORLD = 4
 # Per layout: the model and the overrides. ep2 on 4 ranks has EP (eager) and expert FSDP (efsdp 2); fsdp2 shards
@@ -148,3 +150,22 @@ def test_planned_peak_memory_is_within_10_percent_of_the_h200_measurement(label,
     cfg = compose_config([*overrides, "train.mixed_precision=bf16"])
     peak_gib = plan(cfg, PlanConfig(gpus=2)).memory.peak / GiB
     assert peak_gib == pytest.approx(measured_gib, rel=0.10), label
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["parallel=single"], 1), (["parallel=fsdp2"], 2), (["parallel=ep16"], 16), (["parallel=cp2_ep4_efsdp2"], 16),
+    (["parallel=ep4", "parallel.cp_size=2"], 8)])
+def test_a_plan_without_plan_gpus_is_for_the_smallest_world_the_layout_needs(overrides, world):
+    cfg = compose_config(["model=qwen3_moe_235b_a22b", "data.seq_len=4096", *overrides])
+    assert smallest_world(cfg) == world
+    if cfg.parallel.backend.name == "fsdp2":  # the planner models the fsdp2 plan only
+        assert plan(cfg, PlanConfig()).sizes.world_size == world
+
+
+def test_scripts_plan_says_which_world_it_planned_for():
+    out = subprocess.run([sys.executable, "scripts/plan.py", "model=qwen3_moe_235b_a22b", "parallel=ep16"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith("plan.gpus not given: planning for 16 GPUs, the smallest world "
+                                                 "parallel=ep16 needs")
+    assert "world 16 = dp 16 x cp 1" in out.stdout

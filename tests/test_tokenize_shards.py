@@ -12,10 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.data.cache import tokenized_stream as _tokenized_stream
+from training.data.cache import tokenized_corpus
 from training.data.config import DataConfig
 from training.data.tokenize_shards import MANIFEST, jsonl_docs, tokenize_to_shards
 from training.data.tokenizer import QwenTokenizer
+
+
+def _tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
+    return tokenized_corpus(cfg, tokenizer).stream
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,9 +26,7 @@ import pickle
 import re
 import shutil
 import time
-import zlib
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,14 +44,13 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from core.files import atomic_write
+from core.files import atomic_write, record_paths, record_problems
 from core.safetensors_stream import layout_of, save_file_order, stream_gathered, write_safetensors
 
 logger = logging.getLogger("train")
 
 TRAIN_STATE = "train_state.json"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
-_BLOCK_BYTES = 64 << 20  # CRC-32 granularity of the file record: a mismatch names the damaged 64 MiB block
 _TRAIN_STATE_FIELDS = {"step": int, "scheduler.last_epoch": int, "loader.epoch": int, "loader.position": int,
                        "rng.cpu": str}
 
@@ -124,35 +121,14 @@ class _SafePlanner(DefaultLoadPlanner):
 
 
 # ------------------------------------------------------------------------------------------ file record
-def _block_crc(path: Path, block: int) -> int:
-    with open(path, "rb") as f:
-        f.seek(block * _BLOCK_BYTES)
-        return zlib.crc32(f.read(_BLOCK_BYTES))
-
-
 def record_files(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
-    """{name: {"bytes": size, "crc32": [one per 64 MiB block]}}; blocks are checksummed on a thread pool
-    (file reads and zlib release the GIL)."""
-    sizes = {p: p.stat().st_size for p in paths}
-    jobs = [(p, b) for p, size in sizes.items() for b in range(max(1, -(-size // _BLOCK_BYTES)))]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        crcs = list(pool.map(lambda job: _block_crc(*job), jobs))
-    record: dict[str, dict[str, Any]] = {p.name: {"bytes": size, "crc32": []} for p, size in sizes.items()}
-    for (p, _), crc in zip(jobs, crcs):
-        record[p.name]["crc32"].append(crc)
-    return record
+    """{name: {"bytes": size, "crc32": [one per 64 MiB block]}} (``core.files.record_paths`` by file name)."""
+    return {p.name: record for p, record in record_paths(paths).items()}
 
 
 def _file_problems(directory: Path, name: str, expected: dict[str, Any]) -> list[str]:
     path = directory / name
-    if not path.is_file():
-        return [f"{name} is missing"]
-    size = path.stat().st_size
-    if size != expected["bytes"]:
-        return [f"{name} has {size} bytes, {expected['bytes']} were written"]
-    got = record_files([path])[name]["crc32"]
-    return [f"{name} bytes [{b * _BLOCK_BYTES}, {min((b + 1) * _BLOCK_BYTES, size)}) differ from what was written"
-            for b, (g, e) in enumerate(zip(got, expected["crc32"])) if g != e]
+    return record_problems(name, expected, record_files([path])[name] if path.is_file() else None)
 
 
 def _gather(obj: Any) -> list[Any]:

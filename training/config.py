@@ -54,7 +54,10 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
-    fused: bool | None = None  # None: fused AdamW on CUDA, foreach elsewhere
+    fused: bool | None = None  # None: fused AdamW on CUDA, foreach elsewhere (float32 state only)
+    # The AdamW moments' dtype: float32 (torch's AdamW) | bfloat16 (half the state, fp32 master weights and update:
+    # training.optim.AdamW)
+    state_dtype: str = "float32"
 
 
 @dataclass
@@ -170,6 +173,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _check_state_dtype(o)
     _check_schedule(o, t.steps)
     _check(cfg.logging.log_every > 0, f"logging.log_every={cfg.logging.log_every} must be positive")
     _check(cfg.logging.routing_every >= 0, f"logging.routing_every={cfg.logging.routing_every} must be >= 0 (0: off)")
@@ -192,6 +196,21 @@ def validate(cfg: TrainConfig) -> None:
     validate_dispatcher_config(cfg.dispatcher)
 
 
+STATE_DTYPES = ("float32", "bfloat16")  # optim.state_dtype
+BF16_MIN_STEP = 2**-8  # the largest relative half ulp of bf16: a moment moving by less rounds back where it was
+
+
+def _check_state_dtype(o: OptimConfig) -> None:
+    _check(o.state_dtype in STATE_DTYPES,
+           f"optim.state_dtype={o.state_dtype!r} is unknown; choose one of {', '.join(STATE_DTYPES)}")
+    _check(o.state_dtype != "bfloat16" or o.fused is None,
+           f"optim.fused={o.fused} picks torch's AdamW kernel, which keeps fp32 moments; with "
+           "optim.state_dtype=bfloat16 leave optim.fused unset")
+    _check(o.state_dtype != "bfloat16" or all(1 - b >= BF16_MIN_STEP for b in o.betas),
+           f"optim.betas={list(o.betas)} move the bf16 moments by less than bf16 resolves (1 - beta < 2^-8): the "
+           "updates would round away; use betas <= 0.996 or optim.state_dtype=float32")
+
+
 def _check_schedule(o: OptimConfig, steps: int) -> None:
     """optim.schedule and its wsd keys (decay_fraction, decay_shape are read by wsd only)."""
     _check(o.schedule in SCHEDULES, f"optim.schedule={o.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -211,6 +230,7 @@ def _check_schedule(o: OptimConfig, steps: int) -> None:
 # to resume unless train.allow_changes names it.
 _EXECUTION_KEYS = ("parallel", "dispatcher", "kernel_config", "launch", "logging", "checkpoint", "model.name",
                    "model.init_from", "data.cache_dir", "train.resume", "train.allow_changes", "train.output_dir",
+                   "data.allow_special_only",  # only whether such a corpus is refused: the data itself is compared
                    "train.device", "train.mixed_precision", "train.gc_every", "train.save_final", "train.nonfinite",
                    "train.local_batch_size", "train.grad_accum_steps",
                    # like mixed_precision: how the same weights are computed, not what is trained

@@ -29,7 +29,9 @@ def router_loss_shares(stats: list[RouterStats], num_experts: int, group: dist.P
     """
     counts_E = torch.stack([s.counts_E for s in stats]).sum(0)
     prob_sum_E = torch.stack([s.prob_sum_E for s in stats]).sum(0)
-    rows = torch.tensor([float(sum(s.num_tokens for s in stats))], device=counts_E.device)
+    # new_full, not torch.tensor([...], device=...): a fill kernel, where a tensor from host data is a blocking
+    # host-to-device copy (a sync on CUDA)
+    rows = counts_E.new_full((1,), float(sum(s.num_tokens for s in stats)))
     counts_rows = torch.cat([counts_E, rows])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts_rows, group=group)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.layers import document_cu_seqlens, document_ids
 from models.moe import RouterStats
 from core.files import atomic_write_text
 from training.config import LoggingConfig
@@ -185,11 +186,26 @@ def _hms(seconds: float) -> str:
 ROUTING_EXTRA = 3  # the columns of routing_summary after the 2E per-expert ones: entropy sum, z sum, token count
 
 
+def attended_flops_per_token(args: Any, position_ids: torch.Tensor) -> float:
+    """Training FLOPs per token of the attention pairs actually computed (docs/benchmarks.md, "Attended FLOPs"): the
+    model's ``flops_per_token`` with its attention term (linear in the sequence length: ``flops_per_token(1) -
+    flops_per_token(0)`` per attended pair) counted over each document's causal half, sum n^2 / 2 over the documents
+    of ``position_ids`` (a row without restarts is one document; multimodal [3, B, T] ids, one per row)."""
+    base = args.flops_per_token(0)
+    per_pair = args.flops_per_token(1) - base
+    rows_BT = position_ids if position_ids.dim() == 2 else position_ids[0]
+    ids_BT = document_ids(rows_BT)
+    lengths_n = (document_cu_seqlens(ids_BT).diff() if ids_BT is not None
+                 else torch.full((rows_BT.shape[0],), rows_BT.shape[1]))
+    return base + per_pair * lengths_n.double().square().sum().item() / 2 / rows_BT.numel()
+
+
 def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
     """[L, 2E + 3] per MoE layer: routed slots per expert, router probability sums per expert, entropy sum, sum of
-    squared router logsumexps (z), token count (no grad, stays on device)."""
+    squared router logsumexps (z), token count (no grad, stays on device: no tensor from host data, whose copy
+    would sync)."""
     return torch.stack([torch.cat([s.counts_E, s.prob_sum_E.detach(), s.entropy_sum.reshape(1),
-                                   s.z_sum.detach().reshape(1), s.counts_E.new_tensor([s.num_tokens])])
+                                   s.z_sum.detach().reshape(1), s.counts_E.new_full((1,), s.num_tokens)])
                         for s in stats]).detach()
 
 

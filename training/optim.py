@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedules: warmup, then cosine, warmup-stable-decay or constant."""
+"""AdamW (torch's, or with bf16 moments) and the learning-rate schedules: warmup, then cosine, warmup-stable-decay or constant."""
 
 from __future__ import annotations
 
@@ -6,20 +6,78 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from kernels.adamw import adamw_step_
 from training.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm weights and other vectors are not decayed)."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm weights and other vectors are not decayed): torch's with fp32
+    moments (``optim.state_dtype=float32``), ``AdamW`` below with bf16 ones."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    if cfg.state_dtype == "bfloat16":
+        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=torch.bfloat16)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              fused=use_fused(cfg, params[0].device.type))
+
+
+class AdamW(torch.optim.Optimizer):
+    """Decoupled-weight-decay Adam with the moments (exp_avg, exp_avg_sq) stored in ``state_dtype``, the update in
+    fp32 on the parameters' own dtype (fp32 master weights): ``kernels.adamw.adamw_step_``, one parameter at a time
+    (one Triton pass on CUDA). State keys and step counters as torch.optim.AdamW's (a host tensor per parameter,
+    read without a device sync), so the checkpoints of the two load into each other; the moments load converted to
+    the dtype of the optimizer that reads them.
+
+    Rounding the moments to nearest, not stochastically: each step moves exp_avg by (1 - beta1) and exp_avg_sq by
+    (1 - beta2) of their gap to g and g^2, which must stay above bf16's half ulp (2^-9 to 2^-8 relative) or the
+    update rounds away; training.config refuses betas closer to 1 than 1 - 2^-8, and the default 0.95 moves
+    exp_avg_sq by 5%, 13 to 26 times that. Stochastic rounding would make the result depend on a random stream
+    that a resume would have to restore, for no gain at those betas."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
+                 state_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.state_dtype = state_dtype
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, which casts every floating-point state to its parameter's dtype, then the moments back to
+        ``state_dtype`` (a float32-state checkpoint's rounded to nearest)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise NotImplementedError("AdamW.step takes no closure")
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["step"] += 1
+                adamw_step_(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"], step=float(state["step"]))
+        return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (a view: in-place updates reach the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def use_fused(cfg: OptimConfig, device_type: str) -> bool:

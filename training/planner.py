@@ -37,7 +37,7 @@ COUNTED_DISPATCHERS = ("eager", "fused", "domino")
 class PlanConfig:
     """``plan.*`` overrides of scripts/plan.py: the machine planned for."""
 
-    gpus: int = 0  # world size planned for; 0: launch.nproc_per_node
+    gpus: int = 0  # world size planned for; 0: the smallest world the layout needs (smallest_world)
     gpus_per_node: int = 8
     nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
     internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
@@ -353,11 +353,29 @@ def build_meta_model(cfg: TrainConfig) -> tuple[models.ModelSpec, nn.Module]:
         return spec, spec.model_cls(args)
 
 
+_MAX_WORLD = 1 << 16  # the largest world smallest_world tries
+
+
+def smallest_world(cfg: TrainConfig, built: tuple[models.ModelSpec, nn.Module] | None = None) -> int:
+    """The fewest GPUs on which ``cfg.parallel`` validates (parallel.ep_size=16 needs dp >= 16, cp2 doubles it, ...):
+    what a plan without ``plan.gpus`` is for. A layout that no world allows raises its own error."""
+    spec, model = built or build_meta_model(cfg)
+    checks = dict(num_experts=model.args.num_experts, heads=spec.cp_head_counts(model.args), seq_len=cfg.data.seq_len)
+    for world in range(cfg.parallel.cp_size, _MAX_WORLD + 1, cfg.parallel.cp_size):
+        try:
+            validate_parallel_config(cfg.parallel, world, **checks)
+            return world
+        except ValueError:
+            continue
+    validate_parallel_config(cfg.parallel, cfg.parallel.cp_size, **checks)  # raises what is wrong
+    raise AssertionError("unreachable: a layout that validates nowhere raised above")
+
+
 def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, nn.Module] | None = None) -> Plan:
-    """The plan of ``cfg`` (train.py's config, checked as train.py checks it) on ``machine.gpus`` GPUs (0:
-    launch.nproc_per_node). ``built``: ``build_meta_model(cfg)``, to reuse over many layouts."""
-    world = machine.gpus or cfg.launch.nproc_per_node
+    """The plan of ``cfg`` (train.py's config, checked as train.py checks it) on ``machine.gpus`` GPUs (0: the
+    smallest world the layout needs). ``built``: ``build_meta_model(cfg)``, to reuse over many layouts."""
     validate(cfg)
+    world = machine.gpus or smallest_world(cfg, built)
     if cfg.parallel.backend.name != "fsdp2":
         raise ValueError(f"parallel.backend.name={cfg.parallel.backend.name!r}: the planner models the fsdp2 plan only")
     spec, model = built or build_meta_model(cfg)
@@ -413,7 +431,7 @@ def sweep(cfg: TrainConfig, machine: PlanConfig) -> list[tuple[TrainConfig, Plan
     first."""
     built = build_meta_model(cfg)
     plans = []
-    for candidate in candidate_layouts(cfg, machine.gpus or cfg.launch.nproc_per_node):
+    for candidate in candidate_layouts(cfg, machine.gpus or smallest_world(cfg, built)):
         try:
             plans.append((candidate, plan(candidate, machine, built)))
         except ValueError:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.footprint import LayerActivations, SequenceExchange
-from models.layers import document_cu_seqlens
+from models.layers import Documents
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 from models.qwen3_5_moe.layers import GatedRMSNorm
 from models.sequence_ops import Heads, HeadWeights, Passed, SequenceOp
@@ -51,7 +51,7 @@ class GatedDeltaNet(nn.Module):
     kernel_slots: ClassVar[Mapping[str, str]] = {"delta_rule": "chunk_gated_delta_rule",
                                                  "recurrent_delta_rule": "fused_recurrent_gated_delta_rule"}
     # q, k [B, t, h, k] (h heads shared by the value heads), v [B, t, H, v], g and beta [B, t, H], the conv taps of
-    # q, k and v [heads, ., W] (whole), document ids whole; the output [B, t, H, v].
+    # q, k and v [heads, ., W] (whole), the documents whole; the output [B, t, H, v].
     sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"core_delta_rule": SequenceOp(
         args=(Heads(1, 2, shared=True), Heads(1, 2, shared=True), Heads(1, 2), Heads(1, 2), Heads(1, 2),
               (HeadWeights(0, shared=True), HeadWeights(0, shared=True), HeadWeights(0)), Passed()),
@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
         self.delta_rule: DeltaRule = functools.partial(chunk_gated_delta_rule, chunk_size=64)
         self.recurrent_delta_rule: DeltaRule = recurrent_gated_delta_rule
 
-    def forward(self, x_BTD: torch.Tensor, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         h, H, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         split_F = [self.key_dim, self.key_dim, self.value_dim]  # F = conv channels [q | k | v]
@@ -92,13 +92,13 @@ class GatedDeltaNet(nn.Module):
         g_BTH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
         o_BTHv = self.core_delta_rule(
             q_BTF.view(B, T, h, dk), k_BTF.view(B, T, h, dk), v_BTF.view(B, T, H, dv), g_BTH, beta_BTH,
-            (conv_q_FW.view(h, dk, -1), conv_k_FW.view(h, dk, -1), conv_v_FW.view(H, dv, -1)), doc_ids_BT)
+            (conv_q_FW.view(h, dk, -1), conv_k_FW.view(h, dk, -1), conv_v_FW.view(H, dv, -1)), docs)
         z_BTHv = self.in_proj_z(x_BTD).view(B, T, H, dv)
         return self.out_proj(self.norm(o_BTHv, z_BTHv).reshape(B, T, -1))
 
     def core_delta_rule(self, q_BThk: torch.Tensor, k_BThk: torch.Tensor, v_BTHv: torch.Tensor, g_BTH: torch.Tensor,
                         beta_BTH: torch.Tensor, conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                        doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+                        docs: Documents | None) -> torch.Tensor:
         """Causal conv (silu) and the delta rule over the whole sequence on the heads given: h q/k heads with their
         conv taps [h, k, W] (q and k) and H value heads with theirs [H, v, W]. A sequence op: CP passes a head shard.
         Packed documents run as FLA's variable-length sequences (``cu_seqlens``, a batch of one)."""
@@ -106,16 +106,16 @@ class GatedDeltaNet(nn.Module):
         H, dv = v_BTHv.shape[2:]
         qkv_BTF = torch.cat([x.flatten(2) for x in (q_BThk, k_BThk, v_BTHv)], dim=-1)
         w_FW = torch.cat([w.flatten(0, 1) for w in conv_weights])
-        q_BTF, k_BTF, v_BTF = F.silu(causal_conv1d(qkv_BTF, w_FW, doc_ids_BT)).split([h * dk, h * dk, H * dv], dim=-1)
+        q_BTF, k_BTF, v_BTF = F.silu(causal_conv1d(qkv_BTF, w_FW, None if docs is None else docs.ids_BT)).split([h * dk, h * dk, H * dv], dim=-1)
         q_BThk, k_BThk, v_BTHv = q_BTF.reshape(B, T, h, dk), k_BTF.reshape(B, T, h, dk), v_BTF.reshape(B, T, H, dv)
         recurrent = T <= self.max_recurrent_len and not self.training and not torch.is_grad_enabled()
         rule = self.recurrent_delta_rule if recurrent else self.delta_rule
-        if doc_ids_BT is None:
+        if docs is None:
             o_BTHv, _ = rule(q_BThk, k_BThk, v_BTHv, g=g_BTH, beta=beta_BTH, use_qk_l2norm_in_kernel=True)
             return o_BTHv
         o_1NHv, _ = rule(*(x.flatten(0, 1)[None] for x in (q_BThk, k_BThk, v_BTHv)), g=g_BTH.flatten(0, 1)[None],
                          beta=beta_BTH.flatten(0, 1)[None], use_qk_l2norm_in_kernel=True,
-                         cu_seqlens=document_cu_seqlens(doc_ids_BT))
+                         cu_seqlens=docs.cu_seqlens_n1)
         return o_1NHv.view(B, T, H, dv)
 
     def saved_activations(self) -> LayerActivations:

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from models.attention import Attention
 from models.causal_lm import MoeCausalLM, MoeDecoder, MoeDecoderLayer
+from models.layers import Documents
 from models.init import ShardedInit, constant
 from models.qwen3_5_moe.args import FULL_ATTENTION, Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
@@ -35,10 +36,10 @@ class DecoderLayer(MoeDecoderLayer):
         self.mlp = SharedExpertMoeBlock(args)
 
     def mix(self, h_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
-            doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
+            docs: Documents | None) -> torch.Tensor:
         if self.layer_type == FULL_ATTENTION:
-            return self.self_attn(h_BTD, cos_BTr, sin_BTr, doc_ids_BT)
-        return self.linear_attn(h_BTD, doc_ids_BT)  # position comes from the recurrence, not from RoPE
+            return self.self_attn(h_BTD, cos_BTr, sin_BTr, docs)
+        return self.linear_attn(h_BTD, docs)  # position comes from the recurrence, not from RoPE
 
 
 class Qwen3_5MoeModel(MoeDecoder):

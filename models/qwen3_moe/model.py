@@ -10,7 +10,7 @@ import torch
 
 from models.attention import Attention
 from models.causal_lm import MoeCausalLM, MoeDecoder, MoeDecoderLayer
-from models.layers import RMSNorm, rotary_cos_sin
+from models.layers import Documents, RMSNorm, rotary_cos_sin
 from models.moe import SparseMoeBlock
 from models.qwen3_moe.args import Qwen3MoeArgs
 
@@ -29,8 +29,8 @@ class DecoderLayer(MoeDecoderLayer):
                                   expert_bias=args.router_bias_update_rate > 0, z_loss=args.router_z_loss_coef > 0)
 
     def mix(self, h_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
-            doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
-        return self.self_attn(h_BTD, cos_BTr, sin_BTr, doc_ids_BT)
+            docs: Documents | None) -> torch.Tensor:
+        return self.self_attn(h_BTD, cos_BTr, sin_BTr, docs)
 
 
 class Qwen3MoeModel(MoeDecoder):

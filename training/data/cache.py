@@ -1,11 +1,14 @@
 """The tokenized-corpus cache of data=chitchat / jsonl / hf: the whole corpus as one [2, N] (ids, loss mask) array,
-keyed by the files' contents, how they are read and the tokenizer, tokenized once per cache directory."""
+keyed by the files' contents, how they are read and the tokenizer, tokenized once per cache directory. Beside each
+cache file, ``<name>.record.json`` records its size and block CRCs as written; a file that no longer matches it
+(damaged storage, an edited cache) is tokenized again, never trained on."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import multiprocessing
 import os
@@ -13,10 +16,11 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from core.files import atomic_write_npy
+from core.files import atomic_write_npy, atomic_write_text, record_paths, record_problems
 from training.data.chat import chitchat_docs, join_docs
 from training.data.config import DataConfig, source_path
 from training.data.hf_datasets import hf_corpus
@@ -37,23 +41,33 @@ def _corpus(cfg: DataConfig) -> Corpus | None:
     return JsonlCorpus(Path(cfg.path)) if cfg.name == "jsonl" else None
 
 
-def tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
-    """[2, N] uint32 (ids, loss mask) of the whole corpus, from the cache (keyed by the files' contents, how they
-    are read and the tokenizer) or tokenized and cached. jsonl and hf data are tokenized by
-    ``training.data.tokenize_shards`` over min(4, CPUs) processes into ``<cache>.shards/`` (an interrupted start-up
-    resumes there), then joined into the cache file; processes sharing the cache directory take turns (a file
-    lock), so the corpus is tokenized once."""
+class TokenizedCorpus(NamedTuple):
+    stream: np.ndarray  # [2, N] uint32: ids, loss mask
+    source_sha256: str  # the corpus files' contents (``files_sha256``): the data's identity in a checkpoint
+
+
+def tokenized_corpus(cfg: DataConfig, tokenizer: str) -> TokenizedCorpus:
+    """The whole corpus as [2, N] uint32 (ids, loss mask), from the cache (keyed by the files' contents, how they
+    are read and the tokenizer; verified against its record) or tokenized and cached. jsonl and hf data are
+    tokenized by ``training.data.tokenize_shards`` over min(4, CPUs) processes into ``<cache>.shards/`` (an
+    interrupted start-up resumes there), then joined into the cache file; processes sharing the cache directory take
+    turns (a file lock), so the corpus is tokenized once."""
     corpus = _corpus(cfg)
     source_sha256 = files_sha256(corpus.files() if corpus else [source_path(cfg)])
     reader = corpus.reader if corpus else cfg.name
     digest = hashlib.sha256(f"{source_sha256}|v{_CACHE_VERSION}|{cfg.name}|{reader}|{tokenizer}".encode())
     cache = Path(cfg.cache_dir) / f"{cfg.name}-{tokenizer}-{digest.hexdigest()[:16]}.npy"
-    if cache.exists():
-        return np.load(cache)
+    stream, _ = _read_cache(cache)
+    if stream is not None:
+        return TokenizedCorpus(stream, source_sha256)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with _cache_lock(cache) as locked:
-        if cache.exists():  # another process tokenized it while this one waited
-            return np.load(cache)
+        stream, damage = _read_cache(cache)  # another process may have tokenized it while this one waited
+        if stream is not None:
+            return TokenizedCorpus(stream, source_sha256)
+        if damage:  # checked under the lock: a writer between the file and its record is not damage
+            logger.warning("tokenized-corpus cache %s does not match what was written (%s): tokenizing again",
+                           cache, damage)
         if corpus is None:
             stream = join_docs(chitchat_docs(source_path(cfg), QwenTokenizer(tokenizer)))
         else:
@@ -66,9 +80,27 @@ def tokenized_stream(cfg: DataConfig, tokenizer: str) -> np.ndarray:
                         sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
                         len(manifest.shards))
         atomic_write_npy(cache, stream)
+        atomic_write_text(_record_file(cache), json.dumps(record_paths([cache])[cache]))
         if corpus is not None and locked:  # unlocked, another process may still be writing shards there
             shutil.rmtree(shards, ignore_errors=True)
-    return stream
+    return TokenizedCorpus(stream, source_sha256)
+
+
+def _record_file(cache: Path) -> Path:
+    return cache.with_name(cache.stem + ".record.json")
+
+
+def _read_cache(cache: Path) -> tuple[np.ndarray | None, str | None]:
+    """(the cached stream, None) if the cache file matches its record; (None, what is wrong) if it does not;
+    (None, None) if there is none."""
+    if not cache.exists():
+        return None, None
+    try:
+        written = json.loads(_record_file(cache).read_text())
+    except (OSError, ValueError):
+        return None, f"{_record_file(cache).name} is missing or unreadable"
+    problems = record_problems(cache.name, written, record_paths([cache])[cache])
+    return (None, "; ".join(problems)) if problems else (np.load(cache), None)
 
 
 @contextlib.contextmanager

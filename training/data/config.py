@@ -38,6 +38,9 @@ class DataConfig:
     document_mask: bool = True
     eos_id: int | None = None  # tokens: the id ending each document (None: none known); other data: <|endoftext|>
     val_fraction: float = 0.0  # the last fraction of each source's tokens held out (whole documents) for validation
+    # Text and chat data whose trained labels are > 90% special tokens (empty texts or assistant messages) are
+    # refused; true: train on it anyway
+    allow_special_only: bool = False
 
 
 def source_path(cfg: DataConfig) -> Path:
@@ -70,6 +73,9 @@ def validate_data_config(cfg: DataConfig) -> None:
     if cfg.column is not None and cfg.name != "hf":
         raise ValueError(f"data.column={cfg.column!r} names a column of datasets files (data.name=hf); unset it for "
                          f"data.name={cfg.name}")
+    if cfg.allow_special_only and cfg.name == "tokens":
+        raise ValueError("data.allow_special_only=true accepts text or chat data of (almost) only special tokens, "
+                         "and data=tokens is not checked for them; unset it")
     if cfg.name == "tokens":
         for key, path in token_paths(cfg):
             shard_paths(path, key)

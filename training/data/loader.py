@@ -25,18 +25,28 @@ Letters as in DEVELOPERS.md: B the local batch, T seq_len, T1 = seq_len + 1.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from training.data.cache import tokenized_stream
+from training.data.cache import tokenized_corpus
 from training.data.config import (DataConfig, SourceConfig, source_names, source_path, token_paths,
                                   validate_data_config)
 from training.data.packing import Source, hold_out, packed_batch
 from training.data.token_shards import WindowOrder, load_token_stream
 from training.data.tokenizer import TOKENIZERS, QwenTokenizer, special_tokens
 from training.data.validation import ValidationSet
+
+logger = logging.getLogger(__name__)
+# train.allow_changes entries that make a change of the data's contents on resume deliberate
+_DATA_CHANGE_KEYS = ("data", "data.path", "data.sources")
+# Above this share of special tokens among the trained labels a corpus teaches (almost) only document and turn ends:
+# text has one <|endoftext|> per document of tens to thousands of tokens, and even one-word chat answers
+# ("yes<|im_end|>") are 50% special; 3,000 empty texts, or chats with empty assistant turns, are 100%.
+SPECIAL_ONLY_SHARE = 0.9
 
 
 class PackedLoader:
@@ -122,20 +132,25 @@ class PackedLoader:
         return {f"data/share/{src.name}": n / self._drawn for src, n in zip(self._sources, self._windows)}
 
     def state_dict(self) -> dict:
-        """{"epoch", "position"}; a mixture adds "sources": {name: {"epoch", "position", "windows"}}."""
-        state: dict = {"epoch": self.epoch, "position": self.position}
+        """{"epoch", "position", "data": {source name: identity}}; a mixture adds "sources": {name: {"epoch",
+        "position", "windows"}}."""
+        state: dict = {"epoch": self.epoch, "position": self.position,
+                       "data": {src.name: src.identity for src in self._sources}}
         if len(self._sources) > 1:
             state["sources"] = {src.name: {"epoch": order.epoch, "position": order.position, "windows": n}
                                 for src, order, n in zip(self._sources, self._orders, self._windows)}
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, allow_changes: Sequence[str] = ()) -> None:
+        """Continue from ``state``; ValueError if the data's contents changed since (unless ``allow_changes``,
+        train.allow_changes, names data, data.path or data.sources)."""
         names = [src.name for src in self._sources]
         saved = sorted(state.get("sources", {}))
         if (len(names) > 1 and saved != sorted(names)) or (len(names) == 1 and saved):
             raise ValueError(f"the checkpoint's data loader state has the sources {saved or 'of one data.path'}, "
                              f"and this run reads {sorted(names) if len(names) > 1 else 'one data.path'}; resume "
                              "with the checkpointed run's data.path / data.sources")
+        self._check_identity(state.get("data"), allow_changes)
         if len(names) == 1:
             self._orders[0].epoch, self._orders[0].position = int(state["epoch"]), int(state["position"])
             return
@@ -145,24 +160,54 @@ class PackedLoader:
             order.epoch, order.position = int(source["epoch"]), int(source["position"])
             self._windows[s] = int(source["windows"])
 
+    def _check_identity(self, saved: dict[str, str] | None, allow_changes: Sequence[str]) -> None:
+        if saved is None:
+            logger.warning("the checkpoint records no identity of its data (written before identities were "
+                           "recorded): a change of the data's contents since then is not detected")
+            return
+        changed = [f"{src.name!r} {saved.get(src.name, '<none>')[:12]}... -> {src.identity[:12]}..."
+                   for src in self._sources if saved.get(src.name) != src.identity]
+        if not changed:
+            return
+        key = "data.sources" if len(self._sources) > 1 else "data.path"
+        what = f"the data's contents changed since the checkpoint ({'; '.join(changed)}: digests of the files)"
+        if not any(a in _DATA_CHANGE_KEYS for a in allow_changes):
+            raise ValueError(f"resuming would change what is trained: {what}; resume with the data the run was "
+                             f"trained on, or make the change deliberate with train.allow_changes=[{key}]")
+        logger.warning("%s; resuming anyway (train.allow_changes): the loader's position counts windows of the new "
+                       "data", what)
 
-def _check_trained_tokens(cfg: DataConfig, path: str | Path, mask: np.ndarray) -> None:
-    """Raise ValueError if the tokenized corpus (fresh or cached), under ``data.mask_non_assistant``, trains nothing."""
+
+def _check_trained_tokens(cfg: DataConfig, path: str | Path, ids: np.ndarray, mask: np.ndarray, tokenizer: str
+                          ) -> None:
+    """Raise ValueError if the tokenized corpus (fresh or cached) trains nothing, or (almost) only special tokens,
+    under ``data.mask_non_assistant``."""
     if mask.size == 0:
         raise ValueError(f"data.path={path} holds no documents (e.g. a jsonl file of blank lines); add documents or "
                          "point data.path at the right file")
     if cfg.mask_non_assistant and not mask.any():
         raise ValueError(f"data.path={path}: no assistant message anywhere: with data.mask_non_assistant=true nothing "
                          "would be trained; add assistant turns or set data.mask_non_assistant=false")
+    labels = ids[mask.astype(bool)] if cfg.mask_non_assistant else ids
+    specials = special_tokens(tokenizer)
+    special = labels >= min(specials.values())  # a Qwen vocabulary's special tokens follow all of its BPE ids
+    share = float(special.mean())
+    if share > SPECIAL_ONLY_SHARE and not cfg.allow_special_only:
+        seen = set(np.unique(labels[special]).tolist())
+        names = ", ".join(sorted(name for name, i in specials.items() if i in seen))
+        raise ValueError(f"data.path={path}: {share:.1%} of the {labels.size:,} trained tokens are special tokens "
+                         f"({names}): the documents (or, with data.mask_non_assistant, the assistant messages) are "
+                         "(almost) empty; check the data, or set data.allow_special_only=true to train on it anyway")
 
 
-def _token_sources(cfg: DataConfig, tokenizer: str | None) -> tuple[list[Source], int, int | None]:
+def _token_sources(cfg: DataConfig, tokenizer: str | None, model_vocab_size: int | None
+                   ) -> tuple[list[Source], int, int | None]:
     """data=tokens: each source's shards, the vocabulary size they need and the id ending documents (data.eos_id,
     else the <|endoftext|> of the tokenizer their manifest names)."""
     sources, vocab_size, tokenized_by = [], 0, {}
     configs = cfg.sources or [SourceConfig(path=cfg.path)]
     for (key, path), name, src in zip(token_paths(cfg), source_names(configs), configs):
-        data = load_token_stream(path, cfg.bin_dtype, cfg.cache_dir, key)
+        data = load_token_stream(path, cfg.bin_dtype, cfg.cache_dir, key, model_vocab_size)
         if cfg.mask_non_assistant and data.mask is None:
             raise ValueError(f"data.mask_non_assistant=true needs a loss mask, and {key}={path} holds plain ids; "
                              "tokenize chat data with scripts/pretokenize.py (its shards carry the mask) or set "
@@ -173,7 +218,8 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None) -> tuple[list[Source]
                                  f"model's tokenizer is {tokenizer}: set model.tokenizer={data.tokenizer} or "
                                  f"re-tokenize with scripts/pretokenize.py --tokenizer {tokenizer}")
             tokenized_by[key] = data.tokenizer
-        sources.append(Source(name, data.ids, data.mask if cfg.mask_non_assistant else None, src.weight))
+        sources.append(Source(name, data.ids, data.mask if cfg.mask_non_assistant else None, src.weight,
+                              data.identity))
         vocab_size = max(vocab_size, data.vocab_size)
     if len(set(tokenized_by.values())) > 1:
         raise ValueError(f"data.sources were tokenized with different tokenizers ({tokenized_by}); mix sources of "
@@ -185,10 +231,11 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None) -> tuple[list[Source]
 
 
 def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int,
-                      tokenizer: str | None = "qwen3") -> PackedLoader:
+                      tokenizer: str | None = "qwen3", model_vocab_size: int | None = None) -> PackedLoader:
     """Validate ``cfg``, load (tokenizing with ``tokenizer``, the model's, and caching on first use) the corpus, and
     return dp rank's loader; with ``data.val_fraction``, its ``validation`` holds the held-out part (else None).
-    ``tokenizer`` (a training.data.tokenizer vocabulary) is unused by pre-tokenized data."""
+    ``tokenizer`` (a training.data.tokenizer vocabulary) is unused by pre-tokenized data, whose shards are checked
+    against ``model_vocab_size`` (the model's) where given."""
     validate_data_config(cfg)
     if cfg.name != "tokens" and tokenizer not in TOKENIZERS:
         raise ValueError(f"data.name={cfg.name} tokenizes its text with the model's tokenizer, and model.tokenizer "
@@ -197,11 +244,12 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
         raise ValueError(f"need local_batch_size > 0 and 0 <= dp_rank < dp_size, got "
                          f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
     if cfg.name == "tokens":
-        sources, vocab_size, eos_id = _token_sources(cfg, tokenizer)
+        sources, vocab_size, eos_id = _token_sources(cfg, tokenizer, model_vocab_size)
     else:
-        ids, mask = tokenized_stream(cfg, tokenizer)
-        _check_trained_tokens(cfg, cfg.path or source_path(cfg), mask)
-        sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None)]
+        corpus = tokenized_corpus(cfg, tokenizer)
+        ids, mask = corpus.stream
+        _check_trained_tokens(cfg, cfg.path or source_path(cfg), ids, mask, tokenizer)
+        sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None, identity=corpus.source_sha256)]
         tok = QwenTokenizer(tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
     doc_eos_id = eos_id if cfg.document_mask else None  # what restarts position ids

@@ -4,6 +4,7 @@ share of a batch. Letters as in DEVELOPERS.md: B the local batch, T seq_len, T1 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ class Source:
     ids: np.ndarray | TokenStream | Span  # 1-D ids
     mask: np.ndarray | TokenStream | Span | None = None  # 1-D loss mask of the targets; None: every target trained
     weight: float = 1.0
+    identity: str = ""  # a digest of the data's contents, compared on resume (PackedLoader.load_state_dict)
 
 
 _SEARCH_BLOCK = 1 << 20  # ids read at a time looking for a document start
@@ -56,7 +58,7 @@ def hold_out(src: Source, fraction: float, eos_id: int) -> tuple[Source, Source]
 
     def part(start: int, stop: int) -> Source:
         mask = None if src.mask is None else Span(src.mask, start, stop)
-        return Source(src.name, Span(src.ids, start, stop), mask, src.weight)
+        return dataclasses.replace(src, ids=Span(src.ids, start, stop), mask=mask)
 
     return part(0, cut), part(cut, n)
 

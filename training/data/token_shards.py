@@ -2,24 +2,28 @@
 
 ``data.path`` of ``data=tokens`` (or a ``data.sources`` entry's path) is one file, a directory (its .npy and .bin
 files) or a glob. The shards, in sorted path order, form one virtual stream: a document runs on across a shard
-boundary unless the shard ends in ``data.eos_id``. Shards are memory-mapped and never read whole, except once per
-shard (size, mtime) for the id range, whose result is cached in ``<data.cache_dir>/token-shards.json``.
+boundary unless the shard ends in ``data.eos_id``. Shards are memory-mapped; at each start every shard is read
+once for its record (size and a CRC-32 per 64 MiB block, on a thread pool: several GB/s), which is the source's
+identity in a checkpoint and the key of its id range (min, max), scanned once per content and cached in
+``<data.cache_dir>/token-shards.json``: a shard swapped for another of the same size and mtime is scanned again.
 
 A shard is 1-D ids, or the [2, n] uint32 (ids, trained mask) of ``scripts/pretokenize.py``, whose directory's
-manifest.json names the tokenizer (and so the <|endoftext|> id) and must list every shard as finished.
+manifest.json names the tokenizer (and so the <|endoftext|> id), must list every shard as finished, and records
+each shard's CRCs (older manifests: its sha256), against which the shard is checked: a damaged one is refused.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from core.files import atomic_write_text
-from training.data.tokenize_shards import MANIFEST
+from core.files import atomic_write_text, record_paths, record_problems
+from training.data.tokenize_shards import MANIFEST, file_sha256
 
 SHARD_SUFFIXES = (".npy", ".bin")
 BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids
@@ -86,21 +90,22 @@ def scan_ids(ids: np.ndarray) -> tuple[int, int]:
     return lo, hi
 
 
-def _cache_key(path: Path, ids: np.ndarray) -> str:
-    stat = path.stat()
-    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{ids.dtype.str}"
+def _content_key(path: Path, ids: np.ndarray, record: dict) -> str:
+    crcs = hashlib.sha256(json.dumps(record).encode()).hexdigest()[:16]
+    return f"{path.resolve()}|{ids.dtype.str}|{record['bytes']}|{crcs}"
 
 
-def max_token_id(paths: list[Path], shards: list[np.ndarray], cache_dir: str) -> int:
-    """The largest id of all shards, checking each is non-negative. A shard is scanned only when the cache
-    (keyed by its absolute path, size, mtime and dtype) does not hold it yet."""
+def shard_maxima(paths: list[Path], shards: list[np.ndarray], records: dict[Path, dict], cache_dir: str
+                 ) -> list[int]:
+    """The largest id of each shard, checking each is non-negative. A shard is scanned only when the cache (keyed
+    by its absolute path, dtype and content: its record) does not hold it yet."""
     cache = Path(cache_dir) / _STATS_CACHE
     try:
         stats = json.loads(cache.read_text())
     except (OSError, ValueError):
         stats = {}
     stats = stats if isinstance(stats, dict) else {}
-    keys = [_cache_key(path, ids) for path, ids in zip(paths, shards)]
+    keys = [_content_key(path, ids, records[path]) for path, ids in zip(paths, shards)]
     fresh = False
     for path, ids, key in zip(paths, shards, keys):
         if key not in stats:
@@ -112,7 +117,7 @@ def max_token_id(paths: list[Path], shards: list[np.ndarray], cache_dir: str) ->
     if fresh:
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(cache, json.dumps(stats))
-    return max(stats[key][1] for key in keys)
+    return [stats[key][1] for key in keys]
 
 
 class TokenStream:
@@ -142,11 +147,13 @@ class TokenData:
     mask: TokenStream | None  # None: plain id shards, every target is trained
     vocab_size: int  # largest id + 1
     tokenizer: str | None  # from the shards' manifest.json (scripts/pretokenize.py); None: not known
+    identity: str  # sha256 of the shards' records in order: what a checkpoint compares on resume
 
 
-def pretokenized_by(paths: list[Path], key: str) -> str | None:
+def pretokenized_by(paths: list[Path], records: dict[Path, dict], key: str) -> str | None:
     """The tokenizer the manifest.json beside the shards names (None: no manifest); ValueError if a manifest's
-    tokenization is unfinished, or two name different tokenizers."""
+    tokenization is unfinished, two name different tokenizers, or a shard differs from what its manifest recorded
+    when it was written (its CRCs; a manifest from before those were recorded: its sha256)."""
     tokenizers = set()
     for folder in sorted({p.parent for p in paths}):
         try:
@@ -160,6 +167,15 @@ def pretokenized_by(paths: list[Path], key: str) -> str | None:
         if done < len(shards):
             raise ValueError(f"{key}: {folder} holds an unfinished tokenization ({done} of {len(shards)} shards in "
                              f"{MANIFEST}); run scripts/pretokenize.py again to finish it")
+        written = {s.get("file"): s for s in shards}
+        for path in (p for p in paths if p.parent == folder and p.name in written):
+            entry = written[path.name]
+            problems = (record_problems(path.name, entry["record"], records[path]) if entry.get("record") else
+                        [] if file_sha256(path) == entry["sha256"] else [f"{path.name}'s sha256 differs"])
+            if problems:
+                raise ValueError(f"{key}: token shard {path} differs from what scripts/pretokenize.py wrote "
+                                 f"({'; '.join(problems)}): damaged or replaced; run scripts/pretokenize.py again "
+                                 "(it re-tokenizes the shards that changed)")
         tokenizers.add(manifest.get("tokenizer"))
     if len(tokenizers) > 1:
         raise ValueError(f"{key}: the shards' manifests name different tokenizers {sorted(tokenizers)}; use shards "
@@ -167,8 +183,10 @@ def pretokenized_by(paths: list[Path], key: str) -> str | None:
     return tokenizers.pop() if tokenizers else None
 
 
-def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "data.path") -> TokenData:
-    """The shards of ``path`` as one source (``TokenData``)."""
+def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "data.path",
+                      model_vocab_size: int | None = None) -> TokenData:
+    """The shards of ``path`` as one source (``TokenData``); with ``model_vocab_size``, ValueError naming the
+    first shard whose ids the model cannot embed."""
     paths = shard_paths(path, key)
     opened = [open_shard(p, bin_dtype) for p in paths]
     ids, masks = [i for i, _ in opened], [m for _, m in opened]
@@ -177,8 +195,17 @@ def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "dat
         plain, with_mask = paths[masked.index(False)], paths[masked.index(True)]
         raise ValueError(f"{key}={path} mixes plain id shards ({plain}) with (ids, mask) shards of "
                          f"scripts/pretokenize.py ({with_mask}); use one kind per source")
-    return TokenData(TokenStream(ids), TokenStream(masks) if all(masked) else None,
-                     max_token_id(paths, ids, cache_dir) + 1, pretokenized_by(paths, key))
+    records = record_paths(paths)
+    tokenizer = pretokenized_by(paths, records, key)
+    maxima = shard_maxima(paths, ids, records, cache_dir)
+    for shard, top in zip(paths, maxima):
+        if model_vocab_size is not None and top >= model_vocab_size:
+            raise ValueError(f"{key}: token shard {shard} holds ids up to {top}, and model.arch.vocab_size="
+                             f"{model_vocab_size}; use a model whose vocabulary covers the data's ids (or the shards "
+                             "of its tokenizer)")
+    identity = hashlib.sha256(json.dumps([records[p] for p in paths]).encode()).hexdigest()
+    return TokenData(TokenStream(ids), TokenStream(masks) if all(masked) else None, max(maxima) + 1, tokenizer,
+                     identity)
 
 
 class WindowOrder:

@@ -9,7 +9,8 @@ The corpus is cut into contiguous runs of ``docs_per_shard`` documents (jsonl: n
 shard i (its run only) becomes ``<out_dir>/shard_<i:05d>.npy``, a [2, n] uint32 array (token ids, trained mask), so
 the shards concatenated in order are the single-process stream of the whole corpus, whatever the number of workers.
 Each shard is written atomically, and ``<out_dir>/manifest.json`` (source and its sha256, reader, tokenizer, each
-finished shard's range, documents, tokens, trained tokens and sha256, and the totals once all are done) is rewritten
+finished shard's range, documents, tokens, trained tokens, sha256 and record: size and block CRCs, which
+``training.data.token_shards`` checks when it reads the shard, and the totals once all are done) is rewritten
 atomically after every shard: a re-run skips the shards the manifest lists whose files still match their sha256, so
 an interrupted run resumes where it stopped. Used by ``scripts/pretokenize.py`` and the data=jsonl / data=hf caches
 (``training.data.cache``); data=tokens reads the shards directly (``training.data.token_shards``).
@@ -31,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from core.files import atomic_write_npy, atomic_write_text
+from core.files import atomic_write_npy, atomic_write_text, record_paths
 from training.data.chat import Doc, document, join_docs, jsonl_row
 from training.data.tokenizer import TOKENIZERS, QwenTokenizer
 
@@ -79,13 +80,14 @@ class Shard:
     tokens: int = 0
     trained_tokens: int = 0
     sha256: str = ""
+    record: dict = field(default_factory=dict)  # the file's size and block CRCs (core.files), checked when read
 
 
 def shard_name(i: int) -> str:
     return f"shard_{i:05d}.npy"
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -93,10 +95,10 @@ def _file_sha256(path: Path) -> str:
 def files_sha256(files: list[Path]) -> str:
     """The sha256 of one file, or of the files' names and sha256s in order."""
     if len(files) == 1:
-        return _file_sha256(files[0])
+        return file_sha256(files[0])
     digest = hashlib.sha256()
     for path in files:
-        digest.update(f"{path.name}\0{_file_sha256(path)}\n".encode())
+        digest.update(f"{path.name}\0{file_sha256(path)}\n".encode())
     return digest.hexdigest()
 
 
@@ -243,7 +245,7 @@ def _resumable(out_dir: Path, manifest: Manifest) -> dict[str, Shard]:
         mine = plan.get(shard.file)
         if (shard.sha256 and mine is not None and (mine.lines, mine.bytes, mine.rows) == (shard.lines, shard.bytes,
                                                                                           shard.rows)
-                and (out_dir / shard.file).is_file() and _file_sha256(out_dir / shard.file) == shard.sha256):
+                and (out_dir / shard.file).is_file() and file_sha256(out_dir / shard.file) == shard.sha256):
             done[shard.file] = shard
     return done
 
@@ -290,7 +292,8 @@ def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, 
     def finish(result: tuple[dict, np.ndarray]) -> None:
         shard = Shard(**result[0])
         atomic_write_npy(out_dir / shard.file, result[1])
-        shard.sha256 = _file_sha256(out_dir / shard.file)
+        shard.sha256 = file_sha256(out_dir / shard.file)
+        shard.record = record_paths([out_dir / shard.file])[out_dir / shard.file]
         manifest.shards[index[shard.file]] = shard
         _write_manifest(out_dir, manifest)
         bar.update(shard, corpus.work(shard), todo_work)

@@ -1,0 +1,42 @@
+"""AdamW's update of one parameter whose moments may be stored in a narrower dtype than the parameter (bf16
+moments beside fp32 master weights: half the optimizer state, as torchtitan, Transformer Engine's FusedAdam and
+Megatron's precision-aware optimizer keep it).
+
+The update is computed in fp32 from the stored moments and written back rounded to nearest (no stochastic
+rounding: see ``training.optim.AdamW``). With fp32 moments it is torch.optim.AdamW's update, op for op (its
+single-tensor code), so the two agree to the bit.
+
+``adamw_step_`` runs the kernel ``kernels/registry.py`` chose for the device (installed in ``kernels.installed``):
+``kernels.triton_adamw`` on CUDA, one pass over p, g, m and v; ``adamw_step_torch``, the reference, everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.installed import kernel
+
+
+def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
+                beta1: float, beta2: float, eps: float, weight_decay: float, step: float) -> None:
+    """In place: ``p``, ``exp_avg`` and ``exp_avg_sq`` after AdamW's ``step``-th update (1-based) with ``grad``
+    (p and grad plain tensors of one dtype and shape; the moments of p's shape, in p's dtype or bf16)."""
+    kernel("adamw_step", p, adamw_step_torch)(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                              weight_decay=weight_decay, step=step)
+
+
+def adamw_step_torch(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float) -> None:
+    """The reference: torch.optim.AdamW's single-tensor update on fp32 copies of the moments (the moments
+    themselves when they are fp32), then the copies rounded back. Transient: two fp32 tensors of p's size."""
+    m32, v32 = exp_avg.float(), exp_avg_sq.float()  # the same tensors when fp32
+    p.mul_(1 - lr * weight_decay)
+    m32.lerp_(grad, 1 - beta1)
+    v32.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (v32.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m32, denom, value=-(lr / bias_correction1))
+    if m32 is not exp_avg:
+        exp_avg.copy_(m32)
+        exp_avg_sq.copy_(v32)

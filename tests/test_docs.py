@@ -1,0 +1,430 @@
+"""The docs cannot drift from the code: every Hydra override in a command of a fenced shell block of README.md,
+DEVELOPERS.md and docs/*.md composes against conf/ and passes train.py's checks that need no files, every relative
+link resolves (its ``#anchor`` to a heading), and every key of the schema is in docs/configuration.md.
+
+Which commands: a line (backslash continuations joined, ``&&`` / ``;`` / ``|`` / ``&`` splitting it) whose command
+word is ``python``/``python3``/``torchrun`` running ``train.py``, ``scripts/plan.py`` or ``scripts/bench.py``, or
+``sbatch``/``bash``/``srun`` (or the script itself) running a ``scripts/slurm/`` script; its overrides are the
+``key=value`` tokens after the script. ``NAME=value`` assignments earlier in the block are expanded (``$NAME``).
+Placeholders: a bare ``...`` or any token without ``=`` is not an override (flags, paths); a value with ``<...>``,
+``$`` or ``...`` in it is a placeholder, so only its key is checked (and the command is composed, not validated).
+Under ``-m`` every sweep value is composed. ``plan.*`` goes to scripts/plan.py's ``PlanConfig``; a bench.py
+command's grid cells are built by bench.py itself. Validation: ``training.config.validate`` (a ``FileNotFoundError``
+passes: the docs name files on the reader's machine), the preset's architecture (``model.arch.*``), and the layout
+against the world size where the command states one (torchrun's, ``launch.nproc_per_node``, ``plan.gpus``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import re
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+import parallelisms
+import train
+from tests.conftest import CONF_DIR, REPO
+from training.config import TrainConfig, register_schema, to_train_config, validate
+from training.planner import PlanConfig
+
+DOC_FILES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").glob("*.md"))]
+SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console"}
+PYTHON_ENTRIES = ("train.py", "scripts/plan.py", "scripts/bench.py")
+PYTHON_COMMANDS = {"python", "python3", "torchrun"}
+SHELL_COMMANDS = {"sbatch", "bash", "srun"}
+SEPARATORS = {"&&", "||", ";", "|", "&"}
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Command:
+    doc: Path
+    line: int  # 1-based, the command's first line
+    launcher: tuple[str, ...]  # the words before the script: python, torchrun --nproc_per_node 8, sbatch ...
+    entry: str  # the script: train.py, scripts/plan.py, ...
+    args: tuple[str, ...]  # the words after it
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        return tuple(w for w in self.args if "=" in w and not w.startswith("-"))
+
+    @property
+    def multirun(self) -> bool:
+        return "-m" in self.args or "--multirun" in self.args
+
+    @property
+    def where(self) -> str:
+        return f"{_shown(self.doc)}:{self.line}"
+
+
+def _shown(doc: Path) -> str:
+    return str(doc.relative_to(REPO)) if doc.is_relative_to(REPO) else doc.name
+
+
+# --------------------------------------------------------------------------------------------------- parsing
+
+def fenced_blocks(text: str) -> Iterator[tuple[str, int, list[str]]]:
+    """(language, first line number, lines) of every fenced code block."""
+    lines, block, start, language = text.split("\n"), None, 0, ""
+    for number, line in enumerate(lines, 1):
+        fence = re.match(r"\s*(```+|~~~+)\s*([\w+-]*)", line)
+        if fence and block is None:
+            block, start, language = [], number + 1, fence.group(2).lower()
+        elif fence and block is not None:
+            yield language, start, block
+            block = None
+        elif block is not None:
+            block.append(line)
+
+
+def logical_lines(block: list[str], start: int) -> Iterator[tuple[int, str]]:
+    """Lines with their backslash continuations joined, numbered by their first line."""
+    pending, first = "", start
+    for number, line in enumerate(block, start):
+        if not pending:
+            first = number
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        yield first, pending + line
+        pending = ""
+    if pending:
+        yield first, pending
+
+
+def _is_assignment(token: str) -> bool:
+    return re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", token, re.S) is not None
+
+
+def _entry(words: list[str]) -> tuple[int, str] | None:
+    """The index and name of the Hydra script a command runs, or None."""
+    if not words:
+        return None
+    if words[0] in PYTHON_COMMANDS:
+        for i, word in enumerate(words[1:], 1):
+            if word.endswith(".py"):
+                return next(((i, e) for e in PYTHON_ENTRIES if word == e or word.endswith("/" + e)), None)
+        return None
+    scripts = [i for i, w in enumerate(words) if w.startswith("scripts/slurm/") and w.endswith((".sbatch", ".sh"))]
+    if scripts and (words[0] in SHELL_COMMANDS or scripts[0] == 0):
+        return scripts[0], words[scripts[0]]
+    return None
+
+
+def commands(doc: Path, text: str | None = None) -> Iterator[Command]:
+    """Every command of ``doc``'s shell blocks that runs a Hydra script, with its overrides."""
+    text = doc.read_text() if text is None else text
+    for language, start, block in fenced_blocks(text):
+        if language not in SHELL_LANGUAGES:
+            continue
+        variables: dict[str, str] = {}
+        for number, line in logical_lines(block, start):
+            try:
+                tokens = shlex.split(line, comments=True)
+            except ValueError as e:  # unbalanced quotes: a problem only in a line that runs a script
+                if any(entry in line for entry in PYTHON_ENTRIES + ("scripts/slurm/",)):
+                    raise ValueError(f"{_shown(doc)}:{number}: cannot split the command ({e}): {line.strip()}") from e
+                continue
+            for words in _split_on_separators(tokens):
+                words = _expand(_strip_assignments(words, variables), variables)
+                found = _entry(words)
+                if found is not None:
+                    i, entry = found
+                    yield Command(doc, number, tuple(words[:i]), entry, tuple(words[i + 1:]))
+
+
+def _expand(words: list[str], variables: dict[str, str]) -> list[str]:
+    """``$NAME`` / ``${NAME}`` of the block's earlier assignments substituted (a whole-word one split into words,
+    as the shell does)."""
+    out = []
+    for word in words:
+        whole = re.fullmatch(r"\$\{?(\w+)\}?", word)
+        if whole and whole.group(1) in variables:
+            out.extend(variables[whole.group(1)].split())
+        else:
+            out.append(re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), m.group(0)), word))
+    return out
+
+
+def _split_on_separators(tokens: list[str]) -> Iterator[list[str]]:
+    """The commands of a line: split at ``&&``, ``;``, ``|``, ``&`` (also a ``;`` ending a word)."""
+    words: list[str] = []
+    for token in tokens:
+        if token in SEPARATORS or (token.endswith(";") and len(token) > 1):
+            if token not in SEPARATORS:
+                words.append(token[:-1])
+            yield words
+            words = []
+        else:
+            words.append(token)
+    yield words
+
+
+def _strip_assignments(words: list[str], variables: dict[str, str]) -> list[str]:
+    """The command without its leading ``export`` / ``NAME=value`` words, which are recorded."""
+    i = 1 if words[:1] == ["export"] else 0
+    while i < len(words) and _is_assignment(words[i]):
+        name, value = words[i].split("=", 1)
+        variables[name] = " ".join(_expand([value], variables))
+        i += 1
+    return words[i:]
+
+
+# --------------------------------------------------------------------------------------------------- checking
+
+def _is_placeholder(value: str) -> bool:
+    return "..." in value or "$" in value or re.search(r"<[^>]*>", value) is not None
+
+
+def expand_sweeps(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """One override list per job: under ``-m``, the product of every sweep's values."""
+    if not multirun:
+        return [overrides]
+    choices = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                  else [override.get_value_element_as_str()])
+        choices.append([f"{key}={v}" for v in values])
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def _validate(cfg: TrainConfig, world: int | None) -> None:
+    """train.py's checks that need no files: the config, the preset's architecture (``model.arch.*``), and the
+    layout against the world size where the command gives one."""
+    try:
+        validate(cfg)
+    except FileNotFoundError:  # a file on the reader's machine (my_chats.jsonl, /data/...): the data keys are right
+        # The data's own checks ran before its files'; the rest of validate runs on the bundled corpus instead.
+        bundled = dataclasses.replace(cfg.data, name="chitchat", path=None, sources=None, column=None, eos_id=None)
+        validate(dataclasses.replace(cfg, data=bundled))
+    if cfg.model.init_from is not None:  # the architecture is the directory's config.json
+        return
+    spec, args = train.resolve_model(cfg)
+    if world is not None:
+        parallelisms.validate_parallel_config(cfg.parallel, world, args.num_experts, heads=spec.cp_head_counts(args),
+                                              seq_len=cfg.data.seq_len)
+
+
+def _bench_cells(command: Command) -> list[tuple[list[str], int]]:
+    """The train.py overrides and world size of each grid cell of a scripts/bench.py command, as bench.py builds
+    them."""
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    try:
+        args = bench.build_parser().parse_args(list(command.args))
+    except SystemExit as e:
+        raise ValueError(f"scripts/bench.py refuses its arguments {' '.join(command.args)}") from e
+    out, tokens = Path("/nonexistent/bench"), Path("/nonexistent/bench/random_tokens.npy")
+    return [(bench.cell_overrides(args, layout, dispatcher, out, tokens), args.nproc)
+            for layout in args.layouts.split(",") for dispatcher in args.dispatchers.split(",")]
+
+
+def check_command(command: Command) -> list[str]:
+    """The errors of one command: ``file:line: override: why``, empty when it composes and validates."""
+    errors = []
+    plan_overrides = [o.removeprefix("plan.") for o in command.overrides if o.startswith("plan.")]
+    if plan_overrides:
+        if command.entry != "scripts/plan.py":
+            errors.append(f"{command.where}: plan.* keys are scripts/plan.py's, not {command.entry}'s")
+        try:
+            OmegaConf.merge(OmegaConf.structured(PlanConfig), OmegaConf.from_dotlist(plan_overrides))
+        except Exception as e:  # noqa: BLE001 - the message is the report
+            errors.append(f"{command.where}: plan.{' plan.'.join(plan_overrides)}: {type(e).__name__}: {e}")
+    try:
+        runs = (_bench_cells(command) if command.entry == "scripts/bench.py"
+                else [([o for o in command.overrides if not o.startswith("plan.")], _world_size(command))])
+    except ValueError as e:
+        return [*errors, f"{command.where}: {e}"]
+    for overrides, world in runs:
+        errors += _check_overrides(command, overrides, world)
+    return errors
+
+
+def _world_size(command: Command) -> int | None:
+    """The processes the command starts, where it says: torchrun's --nnodes x --nproc_per_node, train.py's
+    launch.nproc_per_node (1 when unset), scripts/plan.py's plan.gpus (not under plan.sweep); None where the machine
+    decides (Slurm)."""
+    def flag(words: tuple[str, ...], name: str) -> str | None:
+        for i, word in enumerate(words):
+            if word == name and i + 1 < len(words):
+                return words[i + 1]
+            if word.startswith(name + "="):
+                return word.split("=", 1)[1]
+        return None
+
+    values = dict(o.split("=", 1) for o in command.overrides)
+    if command.launcher[:1] == ("torchrun",):
+        sizes = [flag(command.launcher, "--nproc_per_node"), flag(command.launcher, "--nnodes") or "1"]
+        return int(sizes[0]) * int(sizes[1]) if all(s and s.isdigit() for s in sizes) else None
+    if command.entry == "train.py":
+        value = values.get("launch.nproc_per_node", "1")
+        return int(value) if value.isdigit() else None
+    if command.entry == "scripts/plan.py" and values.get("plan.gpus", "").isdigit() and \
+            values.get("plan.sweep", "false") == "false":  # a sweep tries layouts of its own
+        return int(values["plan.gpus"])
+    return None
+
+
+def _check_overrides(command: Command, overrides: list[str], world: int | None) -> list[str]:
+    errors = []
+    concrete = [o for o in overrides if not _is_placeholder(o.split("=", 1)[1])]
+    placeholders = [o.split("=", 1)[0] for o in overrides if _is_placeholder(o.split("=", 1)[1])]
+    # Without a placeholder's value the config may lack what validation asks for (data.path=$DATA): compose only.
+    for job in expand_sweeps(concrete, command.multirun):
+        try:
+            node = compose(config_name="config", overrides=job)
+            for key in placeholders:
+                if OmegaConf.select(node, key.lstrip("+~"), default=_ABSENT) is _ABSENT:
+                    raise KeyError(f"{key} is not a config key (its value is a placeholder)")
+            cfg = to_train_config(node)
+            if not placeholders:
+                _validate(cfg, world)
+        except Exception as e:  # noqa: BLE001 - the message is the report
+            errors.append(f"{command.where}: {' '.join(job)}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    return errors
+
+
+ALL_COMMANDS = [c for doc in DOC_FILES for c in commands(doc)]
+
+
+@pytest.fixture(scope="module")
+def hydra_conf() -> Iterator[None]:
+    """One Hydra initialisation for the module (compose is then ~50 ms)."""
+    register_schema()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        yield
+
+
+def test_the_docs_hold_enough_commands_to_be_worth_checking() -> None:
+    by_entry = {e: sum(c.entry == e for c in ALL_COMMANDS) for e in PYTHON_ENTRIES}
+    assert by_entry["train.py"] >= 30 and by_entry["scripts/plan.py"] >= 2, by_entry
+    assert sum(len(c.overrides) for c in ALL_COMMANDS) >= 150
+    assert any(c.multirun for c in ALL_COMMANDS) and any(c.entry.endswith(".sbatch") for c in ALL_COMMANDS)
+
+
+@pytest.mark.parametrize("command", ALL_COMMANDS, ids=lambda c: c.where)
+def test_every_documented_override_composes(command: Command, hydra_conf) -> None:
+    errors = check_command(command)
+    assert not errors, "\n".join(errors)
+
+
+def test_a_bad_override_is_reported_with_file_and_line(tmp_path: Path, hydra_conf) -> None:
+    doc = tmp_path / "bad.md"
+    doc.write_text("intro\n\n```bash\npython train.py train.steps=3  # fine\n"
+                   "torchrun --nproc_per_node 2 train.py train.stepz=3 \\\n    parallel=ep2\n"
+                   "python train.py parallel=ep3\n"
+                   "python train.py -m dispatcher=eager,nope\n"
+                   "python train.py optim.lr=-1\n"
+                   "python scripts/plan.py model=qwen3_moe_30b_a3b plan.gpuz=8\n"
+                   "python train.py train.steps=<N> train.stepz=<N>\n"
+                   "torchrun --nproc_per_node 2 train.py parallel=ep4 && python train.py model.arch.num_hidden_layerz=2\n"
+                   "```\n\n```python\ntrain.py train.stepz=1  # not a shell block\n```\n")
+    found = list(commands(doc, doc.read_text()))
+    assert [c.line for c in found] == [4, 5, 7, 8, 9, 10, 11, 12, 12]
+    errors = {c.line: check_command(c) for c in found}
+    assert errors[4] == []
+    assert len(errors[5]) == 1 and "bad.md:5" in errors[5][0] and "train.stepz" in errors[5][0]
+    assert "bad.md:7" in errors[7][0] and "ep3" in errors[7][0]
+    assert len(errors[8]) == 1 and "dispatcher=nope" in errors[8][0]  # the sweep's eager job composes
+    assert "optim.lr" in errors[9][0]  # validation, not only composition
+    assert "bad.md:10" in errors[10][0] and "gpuz" in errors[10][0]
+    assert len(errors[11]) == 1 and "train.stepz" in errors[11][0]  # a placeholder value: the key is still checked
+    layout, arch = (check_command(c) for c in found[-2:])
+    assert "bad.md:12" in layout[0] and "parallel.ep_size=4" in layout[0]  # 2 processes cannot hold ep 4
+    assert "num_hidden_layerz" in arch[0]  # model.arch is free-form in the schema: the family's args check it
+
+
+# --------------------------------------------------------------------------------------------------- links
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    outside = _outside_fences(text)
+    seen: dict[str, int] = {}
+    out = set()
+    for line in outside:
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            slug = _slug(heading.group(1))
+            out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def _outside_fences(text: str) -> list[str]:
+    """The lines outside fenced code blocks (blanks in their place, so line numbers hold)."""
+    lines, inside = [], False
+    for line in text.split("\n"):
+        if re.match(r"\s*(```|~~~)", line):
+            inside = not inside
+            lines.append("")
+        else:
+            lines.append("" if inside else line)
+    return lines
+
+
+def broken_links(doc: Path, text: str | None = None) -> list[str]:
+    """``file:line: target: why`` for every relative link (or image) that does not resolve."""
+    text = doc.read_text() if text is None else text
+    errors = []
+    for number, line in enumerate(_outside_fences(text), 1):
+        line = re.sub(r"`[^`]*`", "", line)  # links inside inline code are not links
+        for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", line):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                errors.append(f"{_shown(doc)}:{number}: {target}: no such file {file}")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+                errors.append(f"{_shown(doc)}:{number}: {target}: {file.name} has no heading #{anchor}")
+    return errors
+
+
+def test_every_relative_link_resolves() -> None:
+    errors = [e for doc in DOC_FILES for e in broken_links(doc)]
+    assert not errors, "\n".join(errors)
+
+
+def test_a_broken_link_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "other.md").write_text("# Title\n\n## Choosing a layout: `parallel=ep8`\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("[ok](other.md) [ok](other.md#choosing-a-layout-parallelep8) [ok](#here) [web](https://x.org/y)\n"
+                   "# Here\n[gone](missing.md)\n[bad](other.md#nowhere)\n`[code](missing.md)`\n"
+                   "```\n[in a block](missing.md)\n```\n")
+    errors = broken_links(doc)
+    assert len(errors) == 2, errors
+    assert "doc.md:3: missing.md" in errors[0] and "doc.md:4: other.md#nowhere" in errors[1]
+
+
+# --------------------------------------------------------------------------------------------------- keys
+
+def test_every_config_key_is_in_the_configuration_page(hydra_conf) -> None:
+    """docs/configuration.md names every key of the schema (``model.arch.*`` is the family's: models/*/args.py)."""
+    page = (REPO / "docs" / "configuration.md").read_text()
+
+    def leaves(node, prefix: str) -> Iterator[str]:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if path in ("hydra", "model.arch"):
+                continue
+            yield from leaves(value, path + ".") if isinstance(value, dict) else [path]
+
+    tree = OmegaConf.to_container(compose(config_name="config"), resolve=False)
+    missing = [k for k in leaves(tree, "") if f"`{k}`" not in page and not k.endswith(".name")]
+    assert not missing, f"docs/configuration.md does not document {missing}"

@@ -1,0 +1,106 @@
+"""No host sync inside the training step on the default single-device path, but the listed ones.
+
+On a GPU a host sync (``.item()``, ``.tolist()``, ``bool(t)``, ``nonzero``, boolean-mask indexing, a tensor built
+from host data, which is a blocking copy) stalls the host until the device catches up, and the device then idles
+while the host launches the next kernels. ``torch.cuda.set_sync_debug_mode`` finds them on CUDA only; on CPU this
+test records every op of one train step that would sync on a device (a dispatch mode, which also sees autograd's
+backward and the optimizer) plus every ``Tensor.tolist``, attributes each to the innermost frame of this repository
+(or of torch.optim), and compares the result with the list that stays (docs/benchmarks.md, "Host syncs in the
+step"). A new ``.item()`` anywhere in the step fails it.
+
+The grouped GEMM runs ``torch._grouped_mm`` (the registry's CUDA choice, which also runs on CPU); its CPU reference,
+the per-expert loop, reads the group sizes on the host by design.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train
+from kernels import installed
+from kernels.grouped_mm import native_grouped_mm
+
+REPO = Path(__file__).resolve().parents[1]
+TORCH_OPTIM = str(Path(torch.optim.__file__).parent)
+aten = torch.ops.aten
+
+# Ops that read device data on the host (or whose output shape depends on it, which does the same).
+_SYNCING = {aten._local_scalar_dense.default: "item", aten.nonzero.default: "nonzero",
+            aten.masked_select.default: "masked_select", aten._unique2.default: "unique",
+            aten.unique_dim.default: "unique", aten.unique_consecutive.default: "unique",
+            aten.bincount.default: "bincount", aten.equal.default: "equal",
+            aten.lift_fresh.default: "tensor from host data"}
+
+# (file, function, what) -> how many times one step of the tiny model (one micro-batch) does it, and why it stays.
+EXPECTED = {
+    # The step's one deliberate read: loss and grad norm, which decide whether the optimizer may step.
+    ("train.py", "train_step", "tolist"): 1,
+    ("train.py", "train_step", "item"): 1,
+    # Packed documents or not, once per forward: unpacked rows keep the plain causal attention kernels.
+    ("models/layers.py", "document_ids", "item"): 1,
+}
+# Non-fused torch.optim AdamW keeps its step counters on the host: created from host data at the first step and
+# read there, no device data involved (the CUDA default, fused AdamW, keeps them on the device and reads none).
+HOST_STEP_COUNTERS = {(TORCH_OPTIM, "_get_value", "item"), (TORCH_OPTIM, "_init_group", "tensor from host data")}
+
+
+def _site() -> tuple[str, str]:
+    """The innermost frame of this repository (tests excluded) or of torch.optim."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(TORCH_OPTIM):
+            return TORCH_OPTIM, frame.f_code.co_name
+        if path.startswith(str(REPO)) and "/tests/" not in path:
+            return str(Path(path).relative_to(REPO)), frame.f_code.co_name
+        frame = frame.f_back
+    return "<torch>", "?"
+
+
+class SyncRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = _SYNCING.get(func)
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            what = "repeat_interleave without output_size"
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                i is not None and i.dtype == torch.bool for i in args[1]):
+            what = "boolean-mask indexing"
+        if what is not None:
+            self.seen[(*_site(), what)] += 1
+        return func(*args, **kwargs)
+
+
+def test_one_train_step_syncs_only_where_listed(tiny_run_config, monkeypatch) -> None:
+    cfg = tiny_run_config("train.steps=2", "logging.routing_every=0", "logging.log_every=100")
+    recorder = SyncRecorder()
+    tolist = torch.Tensor.tolist
+
+    def recording_tolist(self):
+        recorder.seen[(*_site(), "tolist")] += 1
+        return tolist(self)
+
+    def recorded_step(*args, **kwargs):
+        with recorder, monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "tolist", recording_tolist)
+            installed.put("cpu", "grouped_mm", native_grouped_mm)  # after apply_kernels: the device's choice
+            return original(*args, **kwargs)
+
+    original = train.train_step
+    saved = installed.snapshot()
+    monkeypatch.setattr(train, "train_step", recorded_step)
+    try:
+        train.run(cfg)
+    finally:
+        installed.restore(saved)
+    per_step = {key: n / 2 for key, n in recorder.seen.items() if key not in HOST_STEP_COUNTERS}
+    assert per_step == EXPECTED
