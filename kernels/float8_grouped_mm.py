@@ -146,6 +146,23 @@ def _inverse(scale: torch.Tensor) -> torch.Tensor:
     return scale.reciprocal().contiguous()
 
 
+def gemm_forward(x: tuple[torch.Tensor, torch.Tensor], w_Gio: torch.Tensor, ends_G: torch.Tensor, quant: Quantizers,
+                 gemm: Callable) -> torch.Tensor:
+    """The forward GEMM from x already quantised per row (``quant.rows``' data and scales) -> y_Po (OUT_DTYPE)."""
+    w = quant.weight(w_Gio)
+    return gemm(x[0], w[0], _inverse(x[1].squeeze(1)), _inverse(w[1].squeeze(1)), ends_G)
+
+
+def gemm_backward(dy_Po: torch.Tensor, x_Pi: torch.Tensor, w_Gio: torch.Tensor, ends_G: torch.Tensor,
+                  quant: Quantizers, gemm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight gradients (OUT_DTYPE) of the forward GEMM on the padded rows ``x_Pi``."""
+    dy_Po = dy_Po.contiguous()  # e.g. an expanded gradient of .sum()
+    dy, wt = quant.rows(dy_Po), quant.weight_t(w_Gio)
+    dx_Pi = gemm(dy[0], wt[0], _inverse(dy[1].squeeze(1)), _inverse(wt[1]), ends_G)
+    dy_c, dy_scale, x_c, x_scale = quant.group_cols(dy_Po, x_Pi, ends_G)
+    return dx_Pi, gemm(x_c.t(), dy_c, _inverse(x_scale), _inverse(dy_scale), ends_G)
+
+
 class _Float8GroupedMM(torch.autograd.Function):
     """The three GEMMs on padded rows (``x_Pi``: each group starts at a multiple of ALIGN, ``ends_G`` int32)."""
 
@@ -154,19 +171,12 @@ class _Float8GroupedMM(torch.autograd.Function):
                 gemm: Callable) -> torch.Tensor:
         ctx.save_for_backward(x_Pi, w_Gio, ends_G)
         ctx.quant, ctx.gemm = quant, gemm
-        x, w = quant.rows(x_Pi), quant.weight(w_Gio)
-        y_Po = gemm(x[0], w[0], _inverse(x[1].squeeze(1)), _inverse(w[1].squeeze(1)), ends_G)
-        return y_Po.to(x_Pi.dtype)
+        return gemm_forward(quant.rows(x_Pi), w_Gio, ends_G, quant, gemm).to(x_Pi.dtype)
 
     @staticmethod
     def backward(ctx, dy_Po: torch.Tensor):
         x_Pi, w_Gio, ends_G = ctx.saved_tensors
-        quant, gemm = ctx.quant, ctx.gemm
-        dy_Po = dy_Po.contiguous()  # e.g. an expanded gradient of .sum()
-        dy, wt = quant.rows(dy_Po), quant.weight_t(w_Gio)
-        dx_Pi = gemm(dy[0], wt[0], _inverse(dy[1].squeeze(1)), _inverse(wt[1]), ends_G)
-        dy_c, dy_scale, x_c, x_scale = quant.group_cols(dy_Po, x_Pi, ends_G)
-        dw_Gio = gemm(x_c.t(), dy_c, _inverse(x_scale), _inverse(dy_scale), ends_G)
+        dx_Pi, dw_Gio = gemm_backward(dy_Po, x_Pi, w_Gio, ends_G, ctx.quant, ctx.gemm)
         return dx_Pi.to(x_Pi.dtype), dw_Gio.to(w_Gio.dtype), None, None, None
 
 
@@ -184,19 +194,32 @@ def padded_layout(counts_G: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
     return dest_M, ends_G.to(torch.int32), -(-rows // ALIGN) * ALIGN + ALIGN * groups
 
 
+def autocast_operands(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands in autocast's dtype where it is on (as ``grouped_mm`` does), else as they are."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return x.to(dtype), w.to(dtype)
+    return x, w
+
+
+def implementation(device_type: str, emulate: bool) -> tuple[Quantizers, Callable]:
+    """(quantisers, GEMM): torchao's Triton quantisers and torch._scaled_grouped_mm on CUDA unless ``emulate``,
+    else the torch quantisers and the exact emulation."""
+    if device_type == "cuda" and not emulate:
+        return torchao_quantizers(), scaled_grouped_mm_cuda
+    return TORCH_QUANTIZERS, scaled_grouped_mm_emulated
+
+
 def float8_grouped_mm(x_Mi: torch.Tensor, w_Gio: torch.Tensor, counts_G: torch.Tensor,
                       counts_host: list[int] | None = None, emulate: bool = False) -> torch.Tensor:
     """``kernels.grouped_mm.grouped_mm``'s product (same call) in FP8 with rowwise dynamic scales: on CUDA
     ``torch._scaled_grouped_mm`` unless ``emulate``; elsewhere the exact emulation. Under autocast both operands
     are cast to its dtype first, as ``grouped_mm`` does. The result and gradients are in x's and w's dtypes.
     ``counts_host`` is not needed: the padded layout is computed on the device, with no host sync."""
+    x_Mi, w_Gio = autocast_operands(x_Mi, w_Gio)
+    quant, gemm = implementation(x_Mi.device.type, emulate)
     device_type = x_Mi.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x_Mi, w_Gio = x_Mi.to(dtype), w_Gio.to(dtype)
-    on_cuda = device_type == "cuda" and not emulate
-    quant, gemm = ((torchao_quantizers(), scaled_grouped_mm_cuda) if on_cuda
-                   else (TORCH_QUANTIZERS, scaled_grouped_mm_emulated))
     dest_M, ends_G, rows = padded_layout(counts_G, x_Mi.shape[0])
     x_Pi = x_Mi.new_zeros(rows, x_Mi.shape[1]).index_copy(0, dest_M, x_Mi)
     with torch.autocast(device_type, enabled=False):
@@ -207,3 +230,4 @@ def float8_grouped_mm(x_Mi: torch.Tensor, w_Gio: torch.Tensor, counts_G: torch.T
 def float8_grouped_mm_ok(w_Gio: torch.Tensor) -> bool:
     """Whether the fp8 kernel takes these weights: in- and out-features multiples of 16 (16-byte fp8 strides)."""
     return w_Gio.shape[1] % ALIGN == 0 and w_Gio.shape[2] % ALIGN == 0
+

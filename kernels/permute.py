@@ -22,7 +22,7 @@ what its own unpermute reads.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -141,6 +141,19 @@ class _Unpermute(torch.autograd.Function):
         return grad_y, grad_w, None, None, None
 
 
+class RoutedRows(NamedTuple):
+    """Routed rows ``src_RD[index_M]`` before the gather runs: each source row read by K = M / R of them,
+    ``inv_M`` the row of each (r, k) slot (K = 1: a permutation), as ``permute_tokens`` takes them. A grouped
+    GEMM with a ``gathered`` form (``kernels.float8_permute``) fuses the gather into its first pass."""
+
+    src_RD: torch.Tensor
+    index_M: torch.Tensor
+    inv_M: torch.Tensor
+
+    def gather(self) -> torch.Tensor:
+        return permute_tokens(self.src_RD, self.index_M, self.inv_M)
+
+
 def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor) -> torch.Tensor:
     return _PermuteRows.apply(x_RD, perm_R, inv_R)
 
@@ -173,9 +186,17 @@ def moe_token_unpermute(y_MD: torch.Tensor, weights_NK: torch.Tensor, state: Any
 def moe_token_permute_torch(x_ND: torch.Tensor, experts_NK: torch.Tensor
                             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The reference: a stable argsort of the expert ids and the gathers above; state (order_M, inv_M)."""
+    rows, state = moe_token_routed_rows(x_ND, experts_NK)
+    return rows.gather(), state
+
+
+def moe_token_routed_rows(x_ND: torch.Tensor, experts_NK: torch.Tensor
+                          ) -> tuple[RoutedRows, tuple[torch.Tensor, torch.Tensor]]:
+    """``moe_token_permute_torch`` with the gather not yet run (for a grouped GEMM that fuses it): the rows and
+    the state (order_M, inv_M) ``moe_token_unpermute_torch`` reads."""
     order_M = torch.argsort(experts_NK.flatten(), stable=True)
     inv_M = inverse_permutation(order_M)
-    return permute_tokens(x_ND, order_M // experts_NK.shape[1], inv_M), (order_M, inv_M)
+    return RoutedRows(x_ND, order_M // experts_NK.shape[1], inv_M), (order_M, inv_M)
 
 
 def moe_token_unpermute_torch(y_MD: torch.Tensor, weights_NK: torch.Tensor,

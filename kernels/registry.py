@@ -33,6 +33,7 @@ from kernels.adamw import adamw_step_torch
 from kernels.attention import DenseMaskAttention, FlexAttention, VarlenAttention, varlen_signature_problem
 from kernels.config import AUTO, FLA, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, plugin_names
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.float8_permute import gather_quantize_rows_torch
 from kernels.grouped_mm import per_group_mm
 from kernels.linear_cross_entropy import softmax_cross_entropy_
 from kernels.norm import gated_rms_norm, offset_rms_norm, rms_norm
@@ -214,6 +215,8 @@ OPS: dict[str, OpSpec] = {
     # The dispatch path. The K-to-one steps of the torch permutes (the EP dispatchers' gathers):
     "gather_sum": _dispatch(gather_sum_torch, _triton_permute("gather_sum")),
     "unpermute_backward": _dispatch(unpermute_backward_torch, _triton_permute("unpermute_backward")),
+    # train.float8's experts: the dispatch gather writing e4m3 rows and their scales (kernels/float8_permute.py)
+    "gather_quantize_rows": _dispatch(gather_quantize_rows_torch, _triton_permute("gather_quantize_rows")),
     # A dispatcher's whole token permute and unpermute; chosen together (the unpermute reads the permute's state).
     "moe_token_permute": _dispatch(moe_token_permute_torch, _npu_moe("moe_token_permute")),
     "moe_token_unpermute": _dispatch(moe_token_unpermute_torch, _npu_moe("moe_token_unpermute")),

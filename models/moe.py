@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.grouped_mm import grouped_mm
-from kernels.permute import moe_token_permute, moe_token_unpermute
+from kernels.permute import (RoutedRows, moe_token_permute, moe_token_routed_rows, moe_token_unpermute,
+                             moe_token_unpermute_torch)
 from kernels.swiglu import packed_swiglu
 from models.footprint import LayerActivations
 
@@ -99,12 +100,19 @@ class ExpertWeights(NamedTuple):
     mm: Callable[..., torch.Tensor] = grouped_mm  # the grouped GEMM, as GroupedExperts.grouped_mm says
 
 
-def compute_experts(w: ExpertWeights, x_MD: torch.Tensor, counts_E: torch.Tensor,
+def compute_experts(w: ExpertWeights, x_MD: torch.Tensor | RoutedRows, counts_E: torch.Tensor,
                     counts_host: list[int] | None = None) -> torch.Tensor:
     """Rows of x_MD sorted by expert (``counts_E`` rows for each of w's E experts, in order) -> the expert
     outputs [M, D], same order. The weights are plain tensors (a rank's local blocks under EP). ``counts_host``:
-    the same counts as Python ints where the caller has them (a grouped GEMM kernel may need them on the host)."""
-    gate_up_M2I = w.mm(x_MD, w.gate_up_proj.transpose(-2, -1), counts_E, counts_host)
+    the same counts as Python ints where the caller has them (a grouped GEMM kernel may need them on the host).
+    ``RoutedRows``: the rows not yet gathered; a grouped GEMM with a ``gathered`` form (FP8) fuses the gather."""
+    w_gate_up = w.gate_up_proj.transpose(-2, -1)
+    if isinstance(x_MD, RoutedRows):
+        gathered = getattr(w.mm, "gathered", None)
+        gate_up_M2I = (gathered(x_MD, w_gate_up, counts_E, counts_host) if gathered is not None
+                       else w.mm(x_MD.gather(), w_gate_up, counts_E, counts_host))
+    else:
+        gate_up_M2I = w.mm(x_MD, w_gate_up, counts_E, counts_host)
     return w.mm(w.act_fn(gate_up_M2I), w.down_proj.transpose(-2, -1), counts_E, counts_host)
 
 
@@ -124,9 +132,14 @@ class LocalDispatcher:
 
     def __call__(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
+        counts_E = expert_counts(experts_NK, experts.gate_up_proj.shape[0])
+        if getattr(experts.mm, "gathered", None) is not None:
+            # A grouped GEMM that fuses the gather (FP8, CUDA only): the torch permute's rows, ungathered, and
+            # its own unpermute (the installed one may be another device's, with another state).
+            rows, state = moe_token_routed_rows(x_ND, experts_NK)
+            return moe_token_unpermute_torch(compute_experts(experts, rows, counts_E), weights_NK, state)
         x_MD, state = moe_token_permute(x_ND, experts_NK)
-        out_MD = compute_experts(experts, x_MD, expert_counts(experts_NK, experts.gate_up_proj.shape[0]))
-        return moe_token_unpermute(out_MD, weights_NK, state)
+        return moe_token_unpermute(compute_experts(experts, x_MD, counts_E), weights_NK, state)
 
 
 def sort_by_expert(experts_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

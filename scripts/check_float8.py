@@ -1,7 +1,14 @@
 """Check train.float8=rowwise on a GPU: the experts' FP8 grouped GEMM (kernels/float8_grouped_mm.py) and torchao's
-Float8Linear against fp32 and bf16, forward and backward, with timings.
+Float8Linear against fp32 and bf16, forward and backward, with timings; or measure the FP8 table.
 
     python scripts/check_float8.py [--rows 16384] [--experts 128] [--tokens 16384] [--no-compile]
+    python scripts/check_float8.py --write-table [--tokens 16384] [--presets ...] [--ep 1,2]
+
+``--write-table``: time every FP8 candidate GEMM of the ``--presets`` models (``parallelisms.float8``'s
+candidates: the blocks' linears at ``--tokens`` tokens, eager and compiled; the experts' two grouped GEMMs over
+E / ep local experts at tokens x top-k routed rows, eager, as train.compile leaves them) in bf16 and in FP8, forward
++ backward, and write them as this GPU's entry of kernels/float8_table.json (format: kernels/float8_table.py),
+keeping the rows of other shapes and sizes. train.float8=rowwise converts only what that entry shows faster.
 
 Experts: Qwen3-30B-A3B (hidden 2048, intermediate 768, 128 experts; and 64 local experts as under ep2) and
 Qwen3.5-35B-A3B (intermediate 512, 256 experts), ``--rows`` routed rows with an uneven load and one idle expert;
@@ -10,7 +17,7 @@ the gate_up and the down GEMM. Each result (output, dx, dw) against the fp32 per
 and the FP8 kernel against its exact emulation (the CPU-tested reference, run here on the same inputs: the two
 differ only by summation order, fast accumulation and bf16 rounding). Linears: the block projections of both
 models on ``--tokens`` tokens, nn.Linear bf16 vs Float8Linear (eager, and torch.compile'd unless --no-compile):
-the measured speedups are what MIN_FLOAT8_LINEAR_DIM (parallelisms/float8.py) should follow.
+the same comparison as the table's, with errors.
 Timings: device events around 20 back-to-back runs after 3 warm-ups (forward, forward + backward).
 Exits 1 when an FP8 error exceeds its tolerance.
 """
@@ -24,7 +31,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from core import device  # noqa: E402
 from kernels.float8_grouped_mm import float8_grouped_mm, padded_layout  # noqa: E402
@@ -129,9 +137,19 @@ def _time_torchao(x: torch.Tensor, w_Gio: torch.Tensor, counts: torch.Tensor, gr
         print(f"  torchao's FP8 grouped GEMM failed: {type(e).__name__}: {str(e)[:200]}")
 
 
-def check_linears(tokens: int, dev: torch.device, compile_too: bool) -> None:
+def _float8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """torchao's rowwise Float8Linear sharing ``linear``'s weight (in a Sequential: torchao converts children)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    d_out, d_in = linear.weight.shape
+    fp8 = convert_to_float8_training(
+        torch.nn.Sequential(torch.nn.Linear(d_in, d_out, bias=False)).to(linear.weight.device),
+        config=Float8LinearConfig.from_recipe_name("rowwise"))
+    fp8[0].weight = linear.weight
+    return fp8
+
+
+def check_linears(tokens: int, dev: torch.device, compile_too: bool) -> None:
     shapes = {  # (in, out) of the block projections
         "qwen3 q_proj": (2048, 4096), "qwen3 k/v_proj": (2048, 512), "qwen3 o_proj": (4096, 2048),
         "qwen3.5 attn q_proj (gated)": (2048, 8192), "qwen3.5 attn o_proj": (4096, 2048),
@@ -144,9 +162,7 @@ def check_linears(tokens: int, dev: torch.device, compile_too: bool) -> None:
         linear = torch.nn.Linear(d_in, d_out, bias=False, device=dev, dtype=torch.bfloat16)
         x = torch.randn(tokens, d_in, generator=gen, device=dev).bfloat16()
         grad = torch.randn(tokens, d_out, generator=gen, device=dev).bfloat16()
-        fp8 = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(d_in, d_out, bias=False)).to(dev),
-                                         config=Float8LinearConfig.from_recipe_name("rowwise"))
-        fp8[0].weight = linear.weight
+        fp8 = _float8_linear(linear)
         ref = _run(lambda x, w: x.float() @ w.float().T, x, linear.weight, grad.float())
         got = _run(lambda x, w: torch.nn.functional.linear(x, w), x, linear.weight, grad)
         xs = x.detach().requires_grad_()
@@ -163,12 +179,172 @@ def check_linears(tokens: int, dev: torch.device, compile_too: bool) -> None:
         print(f"  {name:28s} {d_in:5d} -> {d_out:5d}  rel vs fp32: {errs}\n  {'':28s} fwd+bwd {times}")
 
 
+def check_gather(tokens: int, experts: int, top_k: int, d_in: int, d_out: int, dev: torch.device) -> bool:
+    """The dispatch gather fused with the FP8 quantisation (kernels/float8_permute.py): the Triton kernel's e4m3
+    rows and scales against its torch reference (exactly), the fused gather + quantise against gather, padded copy
+    and quantise, and the experts' first GEMM end to end (fwd+bwd): bf16 gather + grouped GEMM, gather + FP8
+    GEMM, the fused FP8 GEMM (forward and gradients equal to the unfused one)."""
+    from kernels.float8_grouped_mm import torchao_quantizers
+    from kernels.float8_permute import float8_grouped_mm_gathered, gather_quantize_rows_torch
+    from kernels.permute import inverse_permutation, permute_tokens
+    from kernels.triton_permute import gather_quantize_rows
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    src = torch.randn(tokens, d_in, generator=gen, device=dev).bfloat16()
+    experts_NK = torch.stack([torch.randperm(experts, generator=gen, device=dev)[:top_k] for _ in range(tokens)])
+    order = torch.argsort(experts_NK.flatten(), stable=True)
+    inv, token = inverse_permutation(order), order // top_k
+    counts = experts_NK.flatten().bincount(minlength=experts)
+    dest, _, rows = padded_layout(counts, token.numel())
+    index_P = token.new_full((rows,), -1).index_copy(0, dest, token)
+    data, scale = gather_quantize_rows(src, index_P)
+    want_data, want_scale = gather_quantize_rows_torch(src, index_P)
+    ok = bool(torch.equal(data.view(torch.uint8), want_data.view(torch.uint8)) and torch.equal(scale, want_scale))
+    print(f"gather + quantise, {tokens} tokens x top-{top_k} over {experts} experts, {d_in} -> {d_out}: Triton vs "
+          f"reference {'exact' if ok else 'DIFFERENT'}")
+    rows_q = torchao_quantizers().rows
+    fused = device.time_ms("cuda", lambda: gather_quantize_rows(src, index_P))
+    apart = device.time_ms("cuda", lambda: rows_q(src.new_zeros(rows, d_in).index_copy(0, dest, src[token])))
+    print(f"  forward: fused {fused:.3f} ms, gather + padded copy + torchao quantise {apart:.3f} ms "
+          f"({apart / fused:.2f}x)")
+    w_Gio = (torch.randn(experts, d_out, d_in, generator=gen, device=dev) * d_in**-0.5).bfloat16().transpose(1, 2)
+    grad = torch.randn(token.numel(), d_out, generator=gen, device=dev).bfloat16()
+    x, w = src.detach().requires_grad_(), w_Gio.detach().requires_grad_()
+    host = counts.tolist()
+    variants = {"bf16 gather + grouped GEMM": lambda: native_grouped_mm(permute_tokens(x, token, inv), w, counts, host),
+                "gather + FP8 GEMM": lambda: float8_grouped_mm(permute_tokens(x, token, inv), w, counts),
+                "fused FP8 GEMM": lambda: float8_grouped_mm_gathered(x, token, inv, w, counts)}
+    outs = [[out, *torch.autograd.grad(out, [x, w], grad)] for out in (variants[k]() for k in list(variants)[1:])]
+    same = all(torch.equal(a, b) for a, b in zip(*outs))
+    ok &= same
+    times = {k: _time_ms(fn, grad, [x, w]) for k, fn in variants.items()}
+    base = times["bf16 gather + grouped GEMM"]
+    print("  fwd+bwd: " + ", ".join(f"{k} {v:.3f} ms ({base / v:.2f}x of bf16)" for k, v in times.items())
+          + f"; fused == unfused: {'yes' if same else 'NO'}")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------- the FP8 table
+
+def table_shapes(presets: list[str], eps: list[int]) -> tuple[set[tuple[int, int]], set[tuple[int, ...]]]:
+    """The aligned FP8 candidates of the presets' models (built on meta, 4 layers: every kind of block), as the
+    table keys them: linears (in, out); grouped GEMMs (in, out, local experts, top-k, gathered) for each ep."""
+    from omegaconf import OmegaConf
+
+    import models
+    from parallelisms.float8 import float8_candidates
+
+    linears, experts = set(), set()
+    for preset in presets:
+        conf = OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml")
+        arch = {**OmegaConf.to_container(conf.arch), "num_hidden_layers": 4}
+        spec = models.get_spec(conf.model_type)
+        with torch.device("meta"):
+            model = spec.model_cls(models.build_args(conf.model_type, arch))
+        for ep in eps:
+            for c in float8_candidates(model, spec, ep):
+                if c.aligned and c.kind == "linear":
+                    linears.add((c.d_in, c.d_out))
+                elif c.aligned:  # the first GEMM takes its rows from the dispatch gather
+                    experts.add((c.d_in, c.d_out, c.groups, arch["num_experts_per_tok"], c.name == "experts gate_up"))
+    return linears, experts
+
+
+def _compiled_ms(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, leaves: list[torch.Tensor]
+                 ) -> float | None:
+    try:
+        compiled = torch.compile(module)
+        return _time_ms(lambda: compiled(x), grad, leaves)
+    except Exception as e:  # recorded as not measured (null): the rule then keeps this shape in bf16
+        print(f"    torch.compile failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def measure_linear(d_in: int, d_out: int, tokens: int, dev: torch.device) -> dict:
+    gen = torch.Generator(device=dev).manual_seed(0)
+    linear = torch.nn.Linear(d_in, d_out, bias=False, device=dev, dtype=torch.bfloat16)
+    fp8 = _float8_linear(linear)
+    x = torch.randn(tokens, d_in, generator=gen, device=dev).bfloat16().requires_grad_()
+    grad = torch.randn(tokens, d_out, generator=gen, device=dev).bfloat16()
+    leaves = [x, linear.weight]
+    row = {"in": d_in, "out": d_out, "tokens": tokens,
+           "bf16_ms": _time_ms(lambda: linear(x), grad, leaves), "fp8_ms": _time_ms(lambda: fp8(x), grad, leaves),
+           "bf16_compiled_ms": _compiled_ms(linear, x, grad, leaves),
+           "fp8_compiled_ms": _compiled_ms(fp8, x, grad, leaves)}
+    torch.compiler.reset()
+    return row
+
+
+def measure_grouped(d_in: int, d_out: int, groups: int, top_k: int, rows: int, gathered: bool,
+                    dev: torch.device) -> dict:
+    """One experts GEMM as compute_experts calls it (uneven load, one idle expert), eager (train.compile leaves
+    the experts eager, so the table has no compiled times for them). ``gathered`` (the first GEMM): from the
+    dispatch gather of rows / top-k tokens, bf16 gather + grouped GEMM against the FP8 GEMM fused with it."""
+    from kernels.float8_permute import float8_grouped_mm_gathered
+    from kernels.permute import inverse_permutation, permute_tokens
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    counts = _counts(rows, groups, gen, dev)
+    host = counts.tolist()
+    x = torch.randn(rows // top_k if gathered else rows, d_in, generator=gen, device=dev).bfloat16().requires_grad_()
+    order = torch.randperm(rows, generator=gen, device=dev)  # routed row m reads token order[m] // top_k
+    token, inv = order // top_k, inverse_permutation(order)
+    w = (torch.randn(groups, d_out, d_in, generator=gen, device=dev) * d_in**-0.5).bfloat16()
+    w_Gio = w.transpose(1, 2).requires_grad_()
+    grad = torch.randn(rows, d_out, generator=gen, device=dev).bfloat16()
+    leaves = [x, w_Gio]
+    if gathered:
+        bf16 = lambda: native_grouped_mm(permute_tokens(x, token, inv), w_Gio, counts, host)  # noqa: E731
+        fp8 = lambda: float8_grouped_mm_gathered(x, token, inv, w_Gio, counts)  # noqa: E731
+    else:
+        bf16 = lambda: native_grouped_mm(x, w_Gio, counts, host)  # noqa: E731
+        fp8 = lambda: float8_grouped_mm(x, w_Gio, counts, host)  # noqa: E731
+    return {"in": d_in, "out": d_out, "groups": groups, "rows": rows, "gathered": gathered,
+            "bf16_ms": _time_ms(bf16, grad, leaves), "fp8_ms": _time_ms(fp8, grad, leaves)}
+
+
+def write_table(presets: list[str], eps: list[int], tokens: int, dev: torch.device) -> None:
+    import datetime
+
+    from kernels.float8_table import TABLE_PATH, write_gpu_rows
+
+    linears, experts = table_shapes(presets, eps)
+    gpu = device.module("cuda").get_device_name()
+    print(f"FP8 table for {gpu!r}: {len(linears)} linear shapes at {tokens} tokens, {len(experts)} grouped GEMMs")
+    linear_rows, expert_rows = [], []
+    for d_in, d_out in sorted(linears):
+        linear_rows.append(measure_linear(d_in, d_out, tokens, dev))
+        print("  linear " + _row_text(linear_rows[-1]))
+    for d_in, d_out, groups, top_k, gathered in sorted(experts):
+        expert_rows.append(measure_grouped(d_in, d_out, groups, top_k, tokens * top_k, gathered, dev))
+        print("  experts " + _row_text(expert_rows[-1]))
+    import torchao
+
+    measured = {"torch": torch.__version__, "torchao": torchao.__version__, "date": str(datetime.date.today()),
+                "command": " ".join(["python scripts/check_float8.py", *sys.argv[1:]])}
+    write_gpu_rows(gpu, measured, linear_rows, expert_rows)
+    print(f"wrote {gpu!r} to {TABLE_PATH}")
+
+
+def _row_text(row: dict) -> str:
+    shape = ", ".join(f"{k} {row[k]}" for k in ("in", "out", "groups", "tokens", "rows", "gathered") if k in row)
+    times = "  ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in row.items() if k.endswith("_ms"))
+    gains = [f"{mode} {row['bf16' + sfx] / row['fp8' + sfx]:.2f}x" for mode, sfx in (("eager", "_ms"),
+             ("compiled", "_compiled_ms")) if row.get("bf16" + sfx) and row.get("fp8" + sfx)]
+    return f"{shape}: {times}  (FP8 {', '.join(gains)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=16384, help="routed rows per grouped GEMM")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per linear")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd Float8Linear timing")
+    parser.add_argument("--write-table", action="store_true",
+                        help="measure this GPU's FP8 table (kernels/float8_table.json) instead of the checks")
+    parser.add_argument("--presets", default="qwen3_moe_30b_a3b,qwen3_moe_235b_a22b,qwen35_moe",
+                        help="conf/model presets whose GEMM shapes the table gets")
+    parser.add_argument("--ep", default="1,2", help="expert-parallel degrees whose local expert counts it gets")
     args = parser.parse_args(argv)
     if device.device_type("auto") != "cuda":
         print("no CUDA device: nothing to check here (tests/test_float8.py checks the emulation on CPU)")
@@ -176,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = device.local_device("cuda")
     capability = device.module("cuda").get_device_capability()
     print(f"{device.module('cuda').get_device_name()} (sm_{capability[0]}{capability[1]}), torch {torch.__version__}")
+    if args.write_table:
+        write_table(args.presets.split(","), [int(e) for e in args.ep.split(",")], args.tokens, dev)
+        return 0
     ok = True
     for name, rows, experts, i, o in [
             ("qwen3-30b-a3b gate_up", args.rows, args.experts, 2048, 2 * 768),
@@ -185,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             ("qwen3.5-35b-a3b gate_up, ep2 (128 local)", 4 * args.rows, 128, 2048, 2 * 512),
             ("qwen3.5-35b-a3b down, ep2 (128 local)", 4 * args.rows, 128, 512, 2048)]:
         ok &= check_experts(name, rows, experts, i, o, dev)
+    for d_in, d_out, experts in ((2048, 2 * 768, 128), (4096, 2 * 1536, 128)):  # Qwen3-30B-A3B, 235B gate_up
+        ok &= check_gather(args.tokens, experts, 8, d_in, d_out, dev)
     check_linears(args.tokens, dev, not args.no_compile)
     print("all FP8 errors within tolerance" if ok else "FAILED")
     return 0 if ok else 1

@@ -158,6 +158,21 @@ def _gather_case(name: str, weighted: bool) -> Case:
                 TOL_ELEMENTWISE, backward=False)
 
 
+def _gather_quantize_case(name: str) -> Case:
+    """train.float8's dispatch gather: the routed rows of N_TOKENS x K_TOP in expert order, 16 rows of padding
+    (-1) after each 1024, as e4m3 rows and scales; compared dequantised (data / scale)."""
+    def make(gen: torch.Generator, dev: torch.device) -> Inputs:
+        rows = (_maps(gen, dev)["order"] // K_TOP).view(-1, 1024)
+        pad = torch.full((rows.shape[0], 16), -1, device=dev, dtype=rows.dtype)
+        return {"src": _randn(gen, dev, N_TOKENS, D_HIDDEN), "index": torch.cat([rows, pad], 1).flatten()}
+
+    def call(fn: Callable, t: Inputs) -> torch.Tensor:
+        data, scale = fn(t["src"], t["index"])
+        return data.float() / scale
+
+    return Case(name, make, call, TOL_ELEMENTWISE, backward=False)
+
+
 def _unpermute_backward_case(name: str, output: int) -> Case:
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
         return {"grad": _randn(gen, dev, N_TOKENS, D_HIDDEN), "y": _randn(gen, dev, N_TOKENS * K_TOP, D_HIDDEN),
@@ -305,6 +320,7 @@ CASES: dict[str, list[Case]] = {
                                               _delta_call, TOL_DELTA_RULE, backward=False)],
     "gather_sum": [_gather_case("qwen3 16k tokens top-8, weighted", True),
                    _gather_case("qwen3 16k tokens top-8", False)],
+    "gather_quantize_rows": [_gather_quantize_case("qwen3 16k tokens top-8, e4m3 rows")],
     "unpermute_backward": [_unpermute_backward_case("qwen3 16k tokens top-8, grad_y", 0),
                            _unpermute_backward_case("qwen3 16k tokens top-8, grad_w", 1)],
     "moe_token_permute": [Case("qwen3 16k tokens top-8", _token_inputs,

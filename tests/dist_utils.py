@@ -85,6 +85,15 @@ DEBUG_ARCH = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_atten
                   router_aux_loss_coef=0.01)
 
 
+def fsdp_param_groups(state) -> list:
+    """An FSDP unit's parameter groups (private state): ``_fsdp_param_groups`` from torch 2.13, one
+    ``_fsdp_param_group`` (or None) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g] if (g := state._fsdp_param_group) is not None else []
+    return groups
+
+
 def debug_model_args(**overrides: Any):
     from models import build_args
 

@@ -24,8 +24,8 @@ import models
 from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, clip_grad_norm_, parallelize_model
 from parallelisms import compute_copy, parallelize
 from parallelisms.compute_copy import cast_copies_
-from tests.dist_utils import (assert_same_curve, debug_model_args, load_full_weights, loss_share, run_distributed,
-                              seeded_weights, synthetic_batches, train_steps)
+from tests.dist_utils import (assert_same_curve, debug_model_args, fsdp_param_groups, load_full_weights, loss_share,
+                              run_distributed, seeded_weights, synthetic_batches, train_steps)
 from training.checkpoint import load_checkpoint, save_checkpoint
 
 WORLD, STEPS, LOCAL_BATCH, SEQ = 2, 3, 2, 16
@@ -86,7 +86,7 @@ def _worker(rank: int, world_size: int, weights, tokens, root: str) -> dict:
     prefetched = new.model.embed_tokens._get_fsdp_state()._states_to_forward_prefetch
     out["prefetch"] = [s is new.model.layers[0]._get_fsdp_state() for s in prefetched]
     out["block_holds_experts"] = any(fp._module_info.module is experts  # private FSDP state
-                                     for g in new.model.layers[0]._get_fsdp_state()._fsdp_param_groups
+                                     for g in fsdp_param_groups(new.model.layers[0]._get_fsdp_state())
                                      for fp in g.fsdp_params)
     out["layout"] = [_layout(m) for m in (new, old)]
     del new, old

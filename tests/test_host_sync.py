@@ -50,13 +50,14 @@ HOST_STEP_COUNTERS = {(TORCH_OPTIM, "_get_value", "item"), (TORCH_OPTIM, "_init_
 
 
 def _site() -> tuple[str, str]:
-    """The innermost frame of this repository (tests excluded) or of torch.optim."""
+    """The innermost frame of this repository (tests and installed packages excluded: a venv may live inside it,
+    as CI's torch 2.11 one does) or of torch.optim."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(TORCH_OPTIM):
             return TORCH_OPTIM, frame.f_code.co_name
-        if path.startswith(str(REPO)) and "/tests/" not in path:
+        if path.startswith(str(REPO)) and "/tests/" not in path and "/site-packages/" not in path:
             return str(Path(path).relative_to(REPO)), frame.f_code.co_name
         frame = frame.f_back
     return "<torch>", "?"

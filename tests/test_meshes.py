@@ -16,7 +16,7 @@ import models
 from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, expert_shard_dim, parallelize_model,
                           resolve_sizes)
 from tests.conftest import compose_config
-from tests.dist_utils import debug_model_args
+from tests.dist_utils import debug_model_args, fsdp_param_groups
 
 SPEC = models.get_spec("qwen3_moe")
 
@@ -111,24 +111,16 @@ def test_expert_params_shard_dim_1_exactly_when_efsdp_times_ep_exceeds_the_exper
                 assert param.placements[names.index("edp_cp")].is_replicate()
         assert experts.num_experts == num_experts // dims.ep  # the model sees its local experts
         # Private FSDP state, read to pin the divide factor that the gradient test proves numerically.
-        assert [g.gradient_divide_factor for g in _groups_of(experts._get_fsdp_state())] == [dims.dp * dims.cp]
+        assert [g.gradient_divide_factor for g in fsdp_param_groups(experts._get_fsdp_state())] == [dims.dp * dims.cp]
     attention = model.model.layers[0].self_attn.q_proj.weight
     assert attention.device_mesh.mesh_dim_names[-1] == "mp_shard"  # dense params: the outer FSDP mesh
     assert attention.dtype == torch.float32  # stored fp32; bf16 only inside forward (mixed precision)
 
 
-def _groups_of(state) -> list:
-    """A unit's parameter groups: ``_fsdp_param_groups`` from torch 2.13, one ``_fsdp_param_group`` (or None) before."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        groups = [g] if (g := state._fsdp_param_group) is not None else []
-    return groups
-
-
 def _param_groups(model) -> dict[str, list]:
     """FSDP unit name -> its parameter groups (private FSDP state; the root owns no parameters here)."""
-    return {name: _groups_of(module._get_fsdp_state()) for name, module in model.named_modules()
-            if isinstance(module, FSDPModule) and _groups_of(module._get_fsdp_state())}
+    return {name: fsdp_param_groups(module._get_fsdp_state()) for name, module in model.named_modules()
+            if isinstance(module, FSDPModule) and fsdp_param_groups(module._get_fsdp_state())}
 
 
 # Expected divide factors by hand, docs/parallel.md: dense units average over their mesh, every rank (world =

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from kernels.permute import inverse_permutation, moe_token_permute, moe_token_unpermute, permute_rows
+from kernels.permute import (RoutedRows, inverse_permutation, moe_token_permute, moe_token_unpermute,
+                             permute_rows)
 from models.moe import ExpertWeights, compute_experts, expert_counts
 from parallelisms.dispatchers.common import Splits, expert_order
 
@@ -49,5 +50,5 @@ def run_in_arrival_order(local: ExpertWeights, x_RD: torch.Tensor, arrival_count
     them), regrouped stably by key into the groups of ``counts_G`` (rows per local expert, all sources; sum R)."""
     by_expert_R = expert_order(arrival_counts_PG, x_RD.shape[0])
     arrival_R = inverse_permutation(by_expert_R)
-    y_RD = compute_experts(local, permute_rows(x_RD, by_expert_R, arrival_R), counts_G, counts_host)
+    y_RD = compute_experts(local, RoutedRows(x_RD, by_expert_R, arrival_R), counts_G, counts_host)
     return permute_rows(y_RD, arrival_R, by_expert_R)
