@@ -7,7 +7,8 @@ model, layout and number of GPUs, on the CPU in about a second (the model is bui
         plan.sweep=true
 
 Takes train.py's overrides (the same Hydra config) plus ``plan.*`` (``training.planner.PlanConfig``: gpus (by
-default the smallest world the layout needs, said in the first line), gpus_per_node, nvlink_gb_s, internode_gb_s, tflops, hbm_gb_s, capacity_gib, sweep). What the numbers assume and
+default launch.nproc_per_node where set, else the smallest world the layout needs; the first line says which),
+gpus_per_node, nvlink_gb_s, internode_gb_s, tflops, hbm_gb_s, capacity_gib, sweep). What the numbers assume and
 where they were checked against the H200s: docs/scaling.md.
 """
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.config import register_schema, to_train_config  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
-from training.planner import GiB, Plan, PlanConfig, fits, plan, smallest_world, sweep  # noqa: E402
+from training.planner import GiB, Plan, PlanConfig, default_world, fits, plan, sweep  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -82,9 +83,8 @@ def main() -> None:
     with one_line_errors():
         cfg, machine = read_args(sys.argv[1:])
         if not machine.gpus:
-            machine.gpus = smallest_world(cfg)
-            print(f"plan.gpus not given: planning for {machine.gpus} GPUs, the smallest world parallel="
-                  f"{cfg.parallel.name} needs (plan.gpus=N plans another)\n")
+            machine.gpus, why = default_world(cfg)
+            print(f"plan.gpus not given: planning for {machine.gpus} GPUs, {why} (plan.gpus=N plans another)\n")
         if machine.sweep:
             print_sweep(sweep(cfg, machine), machine)
         else:

@@ -25,7 +25,7 @@ import parallelisms
 import train
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from tests.dist_utils import run_distributed
-from training.planner import GiB, PlanConfig, plan, smallest_world
+from training.planner import GiB, PlanConfig, default_world, plan, smallest_world
 
 WORLD = 4
 # Per layout: the model and the overrides. ep2 on 4 ranks has EP (eager) and expert FSDP (efsdp 2); fsdp2 shards
@@ -169,3 +169,9 @@ def test_scripts_plan_says_which_world_it_planned_for():
     assert out.stdout.splitlines()[0].startswith("plan.gpus not given: planning for 16 GPUs, the smallest world "
                                                  "parallel=ep16 needs")
     assert "world 16 = dp 16 x cp 1" in out.stdout
+
+
+def test_a_plan_without_plan_gpus_takes_the_processes_train_py_would_start():
+    cfg = compose_config(["model=qwen3_moe_235b_a22b", "parallel=ep4", "launch.nproc_per_node=8"])
+    assert default_world(cfg) == (8, "launch.nproc_per_node=8")
+    assert plan(cfg, PlanConfig()).sizes.world_size == 8

@@ -37,7 +37,7 @@ COUNTED_DISPATCHERS = ("eager", "fused", "domino")
 class PlanConfig:
     """``plan.*`` overrides of scripts/plan.py: the machine planned for."""
 
-    gpus: int = 0  # world size planned for; 0: the smallest world the layout needs (smallest_world)
+    gpus: int = 0  # world size planned for; 0: launch.nproc_per_node if set above 1, else the smallest world
     gpus_per_node: int = 8
     nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
     internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
@@ -371,11 +371,19 @@ def smallest_world(cfg: TrainConfig, built: tuple[models.ModelSpec, nn.Module] |
     raise AssertionError("unreachable: a layout that validates nowhere raised above")
 
 
+def default_world(cfg: TrainConfig, built: tuple[models.ModelSpec, nn.Module] | None = None) -> tuple[int, str]:
+    """The world a plan without ``plan.gpus`` is for, and why: the processes train.py would start
+    (launch.nproc_per_node, where set above 1), else the smallest world the layout needs."""
+    if cfg.launch.nproc_per_node > 1:
+        return cfg.launch.nproc_per_node, f"launch.nproc_per_node={cfg.launch.nproc_per_node}"
+    return smallest_world(cfg, built), f"the smallest world parallel={cfg.parallel.name} needs"
+
+
 def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, nn.Module] | None = None) -> Plan:
-    """The plan of ``cfg`` (train.py's config, checked as train.py checks it) on ``machine.gpus`` GPUs (0: the
-    smallest world the layout needs). ``built``: ``build_meta_model(cfg)``, to reuse over many layouts."""
+    """The plan of ``cfg`` (train.py's config, checked as train.py checks it) on ``machine.gpus`` GPUs (0:
+    ``default_world``). ``built``: ``build_meta_model(cfg)``, to reuse over many layouts."""
     validate(cfg)
-    world = machine.gpus or smallest_world(cfg, built)
+    world = machine.gpus or default_world(cfg, built)[0]
     if cfg.parallel.backend.name != "fsdp2":
         raise ValueError(f"parallel.backend.name={cfg.parallel.backend.name!r}: the planner models the fsdp2 plan only")
     spec, model = built or build_meta_model(cfg)
@@ -431,7 +439,7 @@ def sweep(cfg: TrainConfig, machine: PlanConfig) -> list[tuple[TrainConfig, Plan
     first."""
     built = build_meta_model(cfg)
     plans = []
-    for candidate in candidate_layouts(cfg, machine.gpus or smallest_world(cfg, built)):
+    for candidate in candidate_layouts(cfg, machine.gpus or default_world(cfg, built)[0]):
         try:
             plans.append((candidate, plan(candidate, machine, built)))
         except ValueError:
