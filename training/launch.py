@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from training.checkpoint import CheckpointError, complete_checkpoints
 
@@ -60,7 +61,7 @@ def one_line_errors() -> Iterator[None]:
         if os.environ.get("HYDRA_FULL_ERROR") == "1" or not (isinstance(e, ONE_LINE_ERRORS) or _lost_peer(e)):
             raise
         message = (str(e) if isinstance(e, (LaunchError, CheckpointError)) else
-                   f"lost a peer rank (its process ended): {str(e).splitlines()[0]}" if _lost_peer(e) else
+                   f"{_LOST_PEER_LINE}: {str(e).splitlines()[0]}" if _lost_peer(e) else
                    f"{type(e).__name__}: {e}")
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchrun reads it; its summary then shows this message instead of a bare exit code
@@ -73,6 +74,12 @@ def one_line_errors() -> Iterator[None]:
 # How gloo reports a peer whose process died mid-collective: the survivors' side of a killed rank, which the
 # launcher reports (failure_line), not a bug of theirs to show a traceback for.
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer")
+_LOST_PEER_LINE = "lost a peer rank (its process ended)"  # how such a rank's one line starts
+
+
+def _message(failure: Any) -> str:
+    """A ProcessFailure's message (torchrun keeps the error file's JSON as a dict, or a string)."""
+    return failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
 
 
 def _lost_peer(e: Exception) -> bool:
@@ -110,26 +117,30 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
 
 
 def failure_line(failures: dict, checkpoints: Path) -> str:
-    """One line for a failed torchrun job (``failures``: ChildFailedError's, rank -> ProcessFailure). torchrun stops
-    the other ranks with SIGTERM once one fails (and reports them so), so the cause is, in this order: a rank killed
-    by another signal (the others only lost their peer), with the checkpoint that resumes the run; else the first
-    rank that exited with an error, with its own message; else a SIGTERM that reached the job itself."""
-    killed = sorted((f.timestamp, rank) for rank, f in failures.items()
-                    if f.exitcode < 0 and f.exitcode != -signal.SIGTERM)
-    errored = [rank for rank, f in failures.items() if f.exitcode > 0]
-    if not killed and not errored:
-        killed = sorted((f.timestamp, rank) for rank, f in failures.items())
-    if killed:
-        rank = killed[0][1]
-        code = -failures[rank].exitcode
+    """One line for a failed torchrun job (``failures``: ChildFailedError's, rank -> ProcessFailure), naming the
+    cause, not its consequences: once one rank fails torchrun stops the others with SIGTERM (one may then abort,
+    SIGABRT, on the way out) and the survivors of a killed rank lose their peer. So, in this order: a rank that
+    exited with its own error; a rank killed by a signal, with the checkpoint that resumes the run; a rank that
+    only lost its peer; torchrun's SIGTERM (the job itself was stopped). Within each, the earliest."""
+
+    def order(rank: int) -> tuple[int, int]:
+        f = failures[rank]
+        if f.exitcode == -signal.SIGTERM:
+            return 3, f.timestamp
+        if f.exitcode < 0:
+            return 1, f.timestamp
+        return (2 if _message(f).startswith(_LOST_PEER_LINE) else 0), f.timestamp
+
+    rank = min(failures, key=order)
+    failure = failures[rank]
+    if failure.exitcode < 0:
+        code = -failure.exitcode
         newest = complete_checkpoints(checkpoints)
         resume = (f"train.resume=auto continues from the last checkpoint, {newest[-1]}" if newest else
                   f"no checkpoint was written under {checkpoints}; train.resume=auto starts the run again")
         return (f"rank {rank} of the torchrun job was killed by {signal.Signals(code).name} (signal {code}); the "
                 f"other ranks were stopped with it; {resume}")
-    rank = min(errored, key=lambda r: failures[r].timestamp)
-    failure = failures[rank]
-    message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    message = _message(failure)
     if not message or message.startswith("To enable traceback"):
         message = "its traceback is above"
     return f"rank {rank} of the torchrun job failed (exit code {failure.exitcode}): {message}"
