@@ -234,8 +234,11 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     validate(cfg)  # bad input is one line before anything is written
     dev_type = device.device_type(cfg.train.device)
     dims, dev = start_processes(cfg, dev_type)
-    run_dir = open_run_dir(cfg, dims, run_scope)  # locked; what train.resume continues, known before any write
-    spec, model_args, tokenizer = check_config(cfg, dims.world_size, run_dir.start.resumed_config)
+    resumed = on_rank0(dims, lambda: find_run_start(cfg).resumed_config)  # read-only: what a resume builds
+    spec, model_args, tokenizer = check_config(cfg, dims.world_size, resumed)  # every check before any write
+    run_dir = open_run_dir(cfg, dims, run_scope)  # locked; what train.resume continues, decided again under it
+    if run_dir.start.resumed_config != resumed:  # the directory changed between the look and the lock
+        spec, model_args, tokenizer = check_config(cfg, dims.world_size, run_dir.start.resumed_config)
     run_config, resolved = recorded_config(cfg, spec, model_args, tokenizer)
     global_batch = cfg.train.local_batch_size * cfg.train.grad_accum_steps * dims.dp
     if not continues(run_dir, run_config, global_batch, cfg, dims):
@@ -372,16 +375,28 @@ def open_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims, run_scope: c
     anything of the run is rewritten."""
 
     def choose() -> tuple[str, Start]:
-        path = Path(cfg.train.output_dir if cfg.train.output_dir is not None else hydra_run_dir())
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"train.output_dir={path} is a file, not a directory; name a directory")
+        path = run_path(cfg)
         run_scope.enter_context(lock_run_dir(path))  # held until the run ends; the OS releases it if we die
-        return str(path), find_start(cfg.train.resume, cfg.train.discard_newer, checkpoint_root(cfg, path), path)
+        return str(path), find_run_start(cfg)
 
     path, start = on_rank0(dims, choose)
     run_dir = RunDir(Path(path), checkpoint_root(cfg, Path(path)), start)
     run_scope.enter_context(run_logs(run_dir.path, dims.rank, cfg.logging.all_ranks))
     return run_dir
+
+
+def run_path(cfg: TrainConfig) -> Path:
+    """The run directory this start writes into (train.output_dir, else Hydra's), refused if it is a file."""
+    path = Path(cfg.train.output_dir if cfg.train.output_dir is not None else hydra_run_dir())
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"train.output_dir={path} is a file, not a directory; name a directory")
+    return path
+
+
+def find_run_start(cfg: TrainConfig) -> Start:
+    """Read-only: what train.resume continues in the run directory (training.run_dir.find_start)."""
+    path = run_path(cfg)
+    return find_start(cfg.train.resume, cfg.train.discard_newer, checkpoint_root(cfg, path), path)
 
 
 def hydra_run_dir() -> str:
