@@ -47,7 +47,7 @@ from training.launch import needs_torchrun, one_line_errors, relaunch_with_torch
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
                               routing_summary)
-from training.optim import build_optimizer, build_scheduler
+from training.optim import build_optimizer, build_scheduler, clipped_step
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
 from training.run_dir import Start, check_not_moved, find_start, lock_run_dir, new_record, write_record
@@ -184,10 +184,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
-        coef = parallelisms.clip_coefficient(cfg.optim.grad_clip, norm)
-        if cfg.optim.grad_clip > 0 and coef < 1:  # a step within the norm skips the pass over every gradient
-            parallelisms.scale_grads_(model, coef)
-        optimizer.step()
+        clipped_step(optimizer, model, parallelisms.clip_coefficient(cfg.optim.grad_clip, norm)
+                     if cfg.optim.grad_clip > 0 else 1.0)
         scheduler.step()
         if args.router_bias_update_rate > 0:
             update_expert_biases(model.routers(), routing_LX[:, :args.num_experts], args.router_bias_update_rate,

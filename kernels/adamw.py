@@ -18,17 +18,24 @@ from kernels.installed import kernel
 
 
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
-                beta1: float, beta2: float, eps: float, weight_decay: float, step: float) -> None:
-    """In place: ``p``, ``exp_avg`` and ``exp_avg_sq`` after AdamW's ``step``-th update (1-based) with ``grad``
-    (p and grad plain tensors of one dtype and shape; the moments of p's shape, in p's dtype or bf16)."""
+                beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+                grad_scale: float = 1.0) -> None:
+    """In place: ``p``, ``exp_avg`` and ``exp_avg_sq`` after AdamW's ``step``-th update (1-based) with ``grad`` times
+    ``grad_scale`` (the clip coefficient, applied in the update: ``grad`` itself is left as it is), p and grad plain
+    tensors of one dtype and shape; the moments of p's shape, in p's dtype or bf16."""
     kernel("adamw_step", p, adamw_step_torch)(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                              weight_decay=weight_decay, step=step)
+                                              weight_decay=weight_decay, step=step, grad_scale=grad_scale)
 
 
 def adamw_step_torch(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float) -> None:
+                     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+                     grad_scale: float = 1.0) -> None:
     """The reference: torch.optim.AdamW's single-tensor update on fp32 copies of the moments (the moments
-    themselves when they are fp32), then the copies rounded back. Transient: two fp32 tensors of p's size."""
+    themselves when they are fp32), then the copies rounded back; a ``grad_scale`` other than 1 scales a copy of
+    the gradient first (what clipping the gradient in place, then torch's update, computes). Transient: two fp32
+    tensors of p's size (three when scaled)."""
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
     m32, v32 = exp_avg.float(), exp_avg_sq.float()  # the same tensors when fp32
     p.mul_(1 - lr * weight_decay)
     m32.lerp_(grad, 1 - beta1)

@@ -17,11 +17,12 @@ _BLOCK = 4096
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, n, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt, BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, n, grad_scale, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
+                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(P + offs, mask=mask).to(tl.float32)
-    g = tl.load(G + offs, mask=mask).to(tl.float32)
+    g = tl.load(G + offs, mask=mask).to(tl.float32) * grad_scale  # the clip, without a pass over the gradients
     m = tl.load(M + offs, mask=mask).to(tl.float32)
     v = tl.load(V + offs, mask=mask).to(tl.float32)
     p = p * decay
@@ -35,14 +36,15 @@ def _adamw_kernel(P, G, M, V, n, decay, beta1, beta2, eps, step_size, bias_corre
 
 
 def adamw_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
-               beta1: float, beta2: float, eps: float, weight_decay: float, step: float) -> None:
+               beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
+               grad_scale: float = 1.0) -> None:
     tensors = (p, grad, exp_avg, exp_avg_sq)
     if not all(t.is_contiguous() for t in tensors):  # in place, so no contiguous copy: the same maths in torch
         adamw_step_torch(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay, step=step)
+                         weight_decay=weight_decay, step=step, grad_scale=grad_scale)
         return
     n = p.numel()
     if n:
         _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-            p, grad, exp_avg, exp_avg_sq, n, 1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step),
-            (1 - beta2**step) ** 0.5, BLOCK=_BLOCK, num_warps=8)
+            p, grad, exp_avg, exp_avg_sq, n, grad_scale, 1 - lr * weight_decay, beta1, beta2, eps,
+            lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, BLOCK=_BLOCK, num_warps=8)

@@ -280,8 +280,9 @@ def check_attention(dev: torch.device, cfg: KernelConfig) -> list[str]:
 
 
 def _adamw_case(name: str, output: int) -> Case:
-    """A 4M-parameter update at step 10 with bf16 moments (fp32 p and g); ``output``: 0 the change of p, 1 exp_avg,
-    2 exp_avg_sq (each checked on its own: the moments are ~1e-4 of p)."""
+    """A 4M-parameter update at step 10 with bf16 moments (fp32 p and g) on a step that clips (the gradient scaled by
+    0.5 inside the update); ``output``: 0 the change of p, 1 exp_avg, 2 exp_avg_sq (each checked on its own: the
+    moments are ~1e-4 of p)."""
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
         n = 1 << 22
         return {"p": _randn(gen, dev, n, dtype=torch.float32), "g": _randn(gen, dev, n, scale=1e-2, dtype=torch.float32),
@@ -289,7 +290,7 @@ def _adamw_case(name: str, output: int) -> Case:
 
     def call(fn: Callable, t: Inputs) -> torch.Tensor:
         p, m, v = t["p"].clone(), t["m"].clone(), t["v"].clone()
-        fn(p, t["g"], m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0)
+        fn(p, t["g"], m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0, grad_scale=0.5)
         return (p - t["p"], m, v)[output].float()
 
     return Case(name, make, call, TOL_ELEMENTWISE, backward=False)

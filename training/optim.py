@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from kernels.adamw import adamw_step_
+from parallelisms.grad_norm import scale_grads_
 from training.config import OptimConfig
 
 
@@ -56,7 +57,9 @@ class AdamW(torch.optim.Optimizer):
                     state[key] = state[key].to(self.state_dtype)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: float = 1.0):
+        """One update of every parameter with a gradient, on the gradients times ``grad_scale`` (the clip
+        coefficient: applied inside the update, the ``.grad`` tensors are left as they are)."""
         if closure is not None:
             raise NotImplementedError("AdamW.step takes no closure")
         for group in self.param_groups:
@@ -72,8 +75,20 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 adamw_step_(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], step=float(state["step"]))
+                            weight_decay=group["weight_decay"], step=float(state["step"]), grad_scale=grad_scale)
         return None
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, model: nn.Module, coef: float) -> None:
+    """The optimizer's step on every gradient times ``coef`` (the clip coefficient, 1 within the norm). ``AdamW``
+    above takes it into its update (no pass over the gradients); torch's optimizers get the gradients scaled in
+    place first, by one ``_foreach_mul_``, which a step within the norm skips."""
+    if isinstance(optimizer, AdamW):
+        optimizer.step(grad_scale=coef)
+        return
+    if coef < 1:
+        scale_grads_(model, coef)
+    optimizer.step()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
