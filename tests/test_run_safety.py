@@ -23,6 +23,7 @@ import torch
 import train
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from training import checkpoint as ckpt
+from training.config import COMPILE_VERDICT, config_warnings
 from training.launch import failure_line
 from training.run_dir import RECORD_FILE, find_start, lock_run_dir
 
@@ -329,6 +330,13 @@ def test_warmup_longer_than_the_run_is_named(tiny_run_config, caplog):
     with caplog.at_level("WARNING", logger="train"):
         train.run(tiny_run_config("train.steps=2", "optim.warmup_steps=5"))
     assert "optim.warmup_steps=5 is more than train.steps=2: the lr rises for the whole run" in caplog.text
+
+
+def test_train_compile_says_what_it_measured() -> None:
+    """The start-up warning of train.compile=true quotes the measurement (docs/benchmarks.md has the row)."""
+    assert config_warnings(compose_config(["train.compile=true"])) == [COMPILE_VERDICT]
+    assert config_warnings(compose_config([])) == []
+    assert "99,627" in COMPILE_VERDICT and "99,627" in (REPO / "docs" / "benchmarks.md").read_text()
 
 
 def test_a_sweep_with_a_fixed_output_dir_puts_each_job_under_it(tmp_path):
