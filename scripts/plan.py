@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,8 +34,13 @@ def read_args(argv: list[str]):
     """train.py's config from the Hydra overrides, and the PlanConfig from the ``plan.*`` ones (unknown keys fail)."""
     plan_overrides = [a.removeprefix("plan.") for a in argv if a.startswith("plan.")]
     register_schema()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = to_train_config(compose(config_name="config", overrides=[a for a in argv if not a.startswith("plan.")]))
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            cfg = to_train_config(compose(config_name="config",
+                                          overrides=[a for a in argv if not a.startswith("plan.")]))
+    except HydraException as e:  # an override Hydra cannot parse or compose: one line, as train.py's own CLI
+        raise ValueError(f"{str(e).splitlines()[0]} (arguments are train.py's overrides and plan.KEY=VALUE; "
+                         "python scripts/plan.py --help)") from e
     unknown = sorted({o.split("=")[0] for o in plan_overrides} - set(PlanConfig.__dataclass_fields__))
     if unknown:
         raise ValueError(f"plan has unknown keys {unknown}; known: {sorted(PlanConfig.__dataclass_fields__)}")
@@ -80,6 +86,9 @@ def print_sweep(plans, machine: PlanConfig) -> None:
 
 
 def main() -> None:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
     with one_line_errors():
         cfg, machine = read_args(sys.argv[1:])
         if not machine.gpus:

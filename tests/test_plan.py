@@ -171,6 +171,16 @@ def test_scripts_plan_says_which_world_it_planned_for():
     assert "world 16 = dp 16 x cp 1" in out.stdout
 
 
+def test_scripts_plan_answers_help_and_a_bad_argument_in_one_line():
+    run = lambda *args: subprocess.run([sys.executable, "scripts/plan.py", *args], capture_output=True,  # noqa: E731
+                                       text=True, cwd=Path(__file__).resolve().parents[1], timeout=120)
+    out = run("--help")
+    assert out.returncode == 0 and "Plan a run on paper" in out.stdout
+    out = run("--gpus", "8")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ValueError: ") and "plan.KEY=VALUE" in out.stderr
+
+
 def test_a_plan_without_plan_gpus_takes_the_processes_train_py_would_start():
     cfg = compose_config(["model=qwen3_moe_235b_a22b", "parallel=ep4", "launch.nproc_per_node=8"])
     assert default_world(cfg) == (8, "launch.nproc_per_node=8")
