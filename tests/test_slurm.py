@@ -215,8 +215,11 @@ class Job:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while not condition():
             state = self.info()["JobState"]
-            # Ended without it (COMPLETED too: say, it finished before it could be interrupted).
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"):
+            # Ended without it (COMPLETED too: say, it finished before it could be interrupted). The condition is
+            # asked again: the job may have reached it between the two reads (COMPLETING -> COMPLETED, when
+            # completion is what is awaited).
+            if (state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+                    and not condition()):
                 pytest.fail(f"job {self.id} {state} while waiting for {what}; log:\n{self.log()[-4000:]}")
             if time.monotonic() > deadline:
                 pytest.fail(f"job {self.id} ({state}): no {what} after {JOB_TIMEOUT_S} s; log:\n{self.log()[-4000:]}")
