@@ -22,6 +22,7 @@ from core.files import atomic_write_text
 from training.config import LoggingConfig
 
 logger = logging.getLogger("train")
+METRICS_FILE = "metrics.jsonl"  # one strict JSON object per logged step
 ROUTING_FILE = "routing.jsonl"  # {"step": s, "expert_share": [[E shares] per MoE layer]} per line
 
 
@@ -44,8 +45,8 @@ class MetricLogger:
         self._wandb_skip_until: int | None = None  # wandb already holds the steps up to here
         if not enabled:
             return
-        logged = _keep_steps(run_dir / "metrics.jsonl", keep_until)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        logged = _keep_steps(run_dir / METRICS_FILE, keep_until)
+        self._jsonl = open(run_dir / METRICS_FILE, "a", buffering=1)
         if cfg.routing_every:
             self._routing_path = run_dir / ROUTING_FILE
             if self._routing_path.exists():  # an earlier attempt's: keep its records up to keep_until
@@ -144,20 +145,22 @@ def _init_wandb(run_dir: Path, cfg: LoggingConfig, run_config: dict[str, Any], k
 def _keep_steps(path: Path, keep_until: int | None) -> list[tuple[int, str]]:
     """Rewrite ``path`` (a JSONL of steps) with its lines up to step ``keep_until`` (None: a fresh run, emptied);
     the (step, line) pairs it held."""
-    logged = _read_lines(path) if keep_until is not None and path.exists() else []
+    logged, dropped = read_step_lines(path) if keep_until is not None and path.exists() else ([], [])
+    for line in dropped:
+        logger.warning("%s: dropping an unreadable line (cut short by a killed run?): %.80s", path, line)
     atomic_write_text(path, "".join(line + "\n" for step, line in logged if step <= keep_until))
     return logged
 
 
-def _read_lines(path: Path) -> list[tuple[int, str]]:
-    """(step, line) for the lines of a JSONL of steps; a line cut short by a killed run is dropped."""
-    lines = []
+def read_step_lines(path: Path) -> tuple[list[tuple[int, str]], list[str]]:
+    """(step, line) for the lines of a JSONL of steps, and the unreadable lines (one cut short by a killed run)."""
+    lines, dropped = [], []
     for line in path.read_text().splitlines():
         try:
             lines.append((int(json.loads(line)["step"]), line))
         except (json.JSONDecodeError, TypeError, KeyError, ValueError):
-            logger.warning("%s: dropping an unreadable line (cut short by a killed run?): %.80s", path, line)
-    return lines
+            dropped.append(line)
+    return lines, dropped
 
 
 def strict_json(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -32,13 +32,13 @@ from omegaconf import OmegaConf
 
 from core.files import atomic_write_text
 from training.checkpoint import TRAIN_STATE, CheckpointError, damaged_message, read_train_state, step_dirs, step_of
+from training.metrics import METRICS_FILE, read_step_lines
 
 logger = logging.getLogger("train")
 
 LOCK_FILE = "run.lock"
 RECORD_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
-METRICS_FILE = "metrics.jsonl"
 WEIGHTS_FILE = "model.safetensors"
 HF_DIR = "hf"
 
@@ -120,16 +120,9 @@ class Start:
 
 
 def _logged_steps(run_dir: Path) -> int:
-    """The last step in metrics.jsonl (0: none)."""
-    last = 0
+    """The last step in metrics.jsonl (0: none; a line cut short by a kill is left to MetricLogger to drop)."""
     path = run_dir / METRICS_FILE
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                last = max(last, int(json.loads(line)["step"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a kill: MetricLogger drops it
-    return last
+    return max((step for step, _ in read_step_lines(path)[0]), default=0) if path.is_file() else 0
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any] | None:
