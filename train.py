@@ -184,8 +184,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
         raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
-        clipped_step(optimizer, model, parallelisms.clip_coefficient(cfg.optim.grad_clip, norm)
-                     if cfg.optim.grad_clip > 0 else 1.0)
+        clipped_step(optimizer, model, cfg.optim.grad_clip, norm)
         scheduler.step()
         if args.router_bias_update_rate > 0:
             update_expert_biases(model.routers(), routing_LX[:, :args.num_experts], args.router_bias_update_rate,

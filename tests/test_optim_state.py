@@ -13,6 +13,7 @@ import train
 from tests.test_checkpoint import losses
 from training.checkpoint import load_checkpoint
 from training.config import OptimConfig, validate
+from parallelisms.grad_norm import clip_coefficient
 from training.optim import AdamW, build_optimizer, clipped_step
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
@@ -51,22 +52,22 @@ def test_the_clip_inside_the_update_is_the_clip_of_the_gradients_first(state_dty
     """clipped_step folds the clip coefficient into AdamW's update (no pass over the gradients, which stay as they
     are): the same parameters, to the bit, as scaling the gradients in place and stepping; torch's AdamW gets them
     scaled in place."""
-    coefs = [0.25 + 0.7 * (step % 3 == 0) for step in range(STEPS)]  # clipped and unclipped steps
+    norms = [4.0 if step % 3 else 0.5 for step in range(STEPS)]  # clipped (to 1.0) and unclipped steps
     runs = []
     for fold in (True, False):
         init, grads = _problem()
         params = [torch.nn.Parameter(p.clone()) for p in init]
         model = torch.nn.ParameterList(params)
         optimizer = AdamW([{"params": params, "weight_decay": 0.1}], **HYPER, state_dtype=state_dtype)
-        for step_grads, coef in zip(grads, coefs):
+        for step_grads, norm in zip(grads, norms):
             for p, grad in zip(params, step_grads):
                 p.grad = grad.clone()
             if fold:
-                clipped_step(optimizer, model, coef)
+                clipped_step(optimizer, model, 1.0, norm)
                 assert all(torch.equal(p.grad, g) for p, g in zip(params, step_grads))  # left unscaled
             else:
                 for p in params:
-                    p.grad.mul_(coef)
+                    p.grad.mul_(clip_coefficient(1.0, norm))
                 optimizer.step()
         runs.append([p.detach() for p in params])
     for a, b in zip(*runs, strict=True):
@@ -76,8 +77,8 @@ def test_the_clip_inside_the_update_is_the_clip_of_the_gradients_first(state_dty
     torch_adamw = torch.optim.AdamW(params, **HYPER, foreach=False)
     for p, grad in zip(params, grads[0]):
         p.grad = grad.clone()
-    clipped_step(torch_adamw, torch.nn.ParameterList(params), 0.5)
-    assert all(torch.equal(p.grad, g * 0.5) for p, g in zip(params, grads[0]))
+    clipped_step(torch_adamw, torch.nn.ParameterList(params), 1.0, 2.0)
+    assert all(torch.equal(p.grad, g * clip_coefficient(1.0, 2.0)) for p, g in zip(params, grads[0]))
 
 
 def test_bfloat16_moments_follow_fp32_adamw_closely_with_half_the_state() -> None:

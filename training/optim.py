@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from kernels.adamw import adamw_step_
-from parallelisms.grad_norm import scale_grads_
+from parallelisms.grad_norm import clip_coefficient, scale_grads_
 from training.config import OptimConfig
 
 
@@ -79,10 +79,11 @@ class AdamW(torch.optim.Optimizer):
         return None
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, model: nn.Module, coef: float) -> None:
-    """The optimizer's step on every gradient times ``coef`` (the clip coefficient, 1 within the norm). ``AdamW``
-    above takes it into its update (no pass over the gradients); torch's optimizers get the gradients scaled in
-    place first, by one ``_foreach_mul_``, which a step within the norm skips."""
+def clipped_step(optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float, norm: float) -> None:
+    """The optimizer's step on the gradients (of total norm ``norm``) clipped to ``max_norm`` (<= 0: not clipped).
+    ``AdamW`` above takes the clip coefficient into its update (no pass over the gradients); torch's optimizers get
+    the gradients scaled in place first, by one ``_foreach_mul_``, which a step within the norm skips."""
+    coef = clip_coefficient(max_norm, norm) if max_norm > 0 else 1.0
     if isinstance(optimizer, AdamW):
         optimizer.step(grad_scale=coef)
         return
