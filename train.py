@@ -150,7 +150,7 @@ class StepResult(NamedTuple):
     z_loss: float
     grad_norm: float
     updated: bool
-    routing_LX: torch.Tensor  # per MoE layer, this rank's share: see training.metrics.routing_summary
+    routing_LX: torch.Tensor  # per MoE layer, the global batch's, on the host: see training.metrics.reduce_routing
 
 
 def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
@@ -177,7 +177,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     losses = torch.stack([ce_share, aux_share, z_share])
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
-    loss, aux_loss, z_loss, norm = (*losses.tolist(), grad_norm.item())  # the step's one host sync
+    routing_host_LX = reduce_routing(routing_LX, dims.data_group)  # queued before the read below: complete after it
+    loss, aux_loss, z_loss, norm = torch.cat([losses, grad_norm.reshape(1)]).tolist()  # the step's one host sync
     parallelisms.raise_if_dispatch_overflowed(model)  # dispatcher=capacity: a step that dropped rows is not applied
     finite = math.isfinite(loss) and math.isfinite(norm)
     if not finite and cfg.train.nonfinite == "stop":
@@ -190,7 +191,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
             update_expert_biases(model.routers(), routing_LX[:, :args.num_experts], args.router_bias_update_rate,
                                  dims.data_group)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, aux_loss, z_loss, norm, update and finite, routing_LX)
+    return StepResult(loss, aux_loss, z_loss, norm, update and finite, routing_host_LX)
 
 
 def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | None = None
@@ -277,11 +278,10 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     history: list[dict[str, Any]] = []
     steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
     saved_at = first_step - 1 if run_dir.start.checkpoint else None  # the step the newest checkpoint holds
-    start = time.perf_counter()
+    start = clock = time.perf_counter()
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
         profiler.step_begin(step)
-        step_start = time.perf_counter()
         gc_off.step(step)
         # The cp ranks of a dp slice read the same sequences; each keeps its 1/cp of every one.
         with torch.profiler.record_function("data"):
@@ -290,17 +290,25 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             # This rank's whole sequences (before the cp split): the attention pairs its dp slice computes.
             attended = sum(attended_flops_per_token(model_args, w["position_ids"]) for w in windows) / len(windows)
             shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
-            batches = [{k: v.to(dev, non_blocking=True) for k, v in shard.items()} for shard in shards]
+            batches = [device.to_device(shard, dev) for shard in shards]
             data_time = time.perf_counter() - data_start  # the loader is on the critical path: keep this small
         lr = scheduler.get_last_lr()[0]
         result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args, autocast, update=step > 0)
-        device.synchronize(dev_type)
-        step_time = time.perf_counter() - step_start
-        profiler.step_end(step)  # after the sync: the profiled wall time is complete
+        # No device sync at the end of a step: the host logs this step and fetches the next batch while the device
+        # runs this step's optimizer. The step's one host read (after backward) paces the loop, so the time between
+        # two steps' returns is a step's time; where the host did wait for the device (an eval, a checkpoint, the
+        # profiler), the next step is timed from then.
+        waited = profiler.profiling
+        if waited:
+            device.synchronize(dev_type)  # the profiled window holds all of its steps' kernels
+        profiler.step_end(step)
+        now = time.perf_counter()
+        step_time, clock = now - clock, now
         tokens_total += tokens_per_step if step > 0 else 0
         metrics = step_metrics(step, result, lr, rates, attended, tokens_total, step_time, data_time, dev_type)
         if val_batches and (step % cfg.train.eval_every == 0 or step == steps[-1]):
             metrics["val_loss"] = validation_loss(model, val_batches, dev, autocast, dims.data_group)
+            waited = True
         history.append(metrics)
         log_step(metrics, result, loader, metric_logger, cfg, dims, last=step == steps[-1],
                  eta=(time.perf_counter() - start) / done * (len(steps) - done))
@@ -310,7 +318,10 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             break
         if cfg.checkpoint.interval > 0 and step > 0 and step % cfg.checkpoint.interval == 0:
             checkpoint(step)
-            saved_at = step
+            saved_at, waited = step, True
+        if waited:
+            device.synchronize(dev_type)
+            clock = time.perf_counter()
     else:
         last_step = steps[-1] if steps else first_step - 1  # none left: a resume of the last step's checkpoint
         finish(run_dir, model, spec, tokenizer, cfg, dims, checkpoint, saved_at, last_step)
@@ -550,12 +561,10 @@ def log_step(metrics: dict[str, Any], result: StepResult, loader, metric_logger:
                        step, result.loss, result.grad_norm)
     log_now = step % cfg.logging.log_every == 0 or last or "val_loss" in metrics
     record_routing = cfg.logging.routing_every > 0 and step % cfg.logging.routing_every == 0
-    if log_now or record_routing:  # one all-reduce and one small copy to the host, shared by log and record
-        routing_LX = reduce_routing(result.routing_LX, dims.data_group)
     if record_routing:
-        metric_logger.log_routing(step, routing_LX)
+        metric_logger.log_routing(step, result.routing_LX)
     if log_now:
-        metrics.update(moe_metrics(routing_LX))
+        metrics.update(moe_metrics(result.routing_LX))
         metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
         metric_logger.log(metrics)
         if dims.rank == 0:

@@ -83,6 +83,15 @@ def synchronize(dev_type: str) -> None:
         module(dev_type).synchronize()
 
 
+def to_device(batch: dict[str, torch.Tensor], dev: torch.device) -> dict[str, torch.Tensor]:
+    """The host tensors of ``batch`` on ``dev``. On an accelerator through pinned memory, so each copy is queued and
+    the host goes on: a copy from pageable memory would wait until the device has run everything queued before it
+    (the training loop fetches the next batch while the device still runs the previous step's optimizer)."""
+    if dev.type == "cpu":
+        return dict(batch)
+    return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
+
+
 def time_ms(dev_type: str, step: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
     """Mean device time of ``step()`` over ``iters`` back-to-back calls after ``warmup`` (device events; the host
     is not synchronised in between, as in a training step)."""

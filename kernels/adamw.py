@@ -19,17 +19,19 @@ from kernels.installed import kernel
 
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
                 beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-                grad_scale: float = 1.0) -> None:
+                grad_scale: float = 1.0, p_copy: torch.Tensor | None = None) -> None:
     """In place: ``p``, ``exp_avg`` and ``exp_avg_sq`` after AdamW's ``step``-th update (1-based) with ``grad`` times
     ``grad_scale`` (the clip coefficient, applied in the update: ``grad`` itself is left as it is), p and grad plain
-    tensors of one dtype and shape; the moments of p's shape, in p's dtype or bf16."""
+    tensors of one dtype and shape; the moments of p's shape, in p's dtype or bf16. ``p_copy``: also the updated p
+    rounded to nearest into this tensor of p's shape (its bf16 compute copy, ``parallelisms/compute_copy.py``)."""
     kernel("adamw_step", p, adamw_step_torch)(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                              weight_decay=weight_decay, step=step, grad_scale=grad_scale)
+                                              weight_decay=weight_decay, step=step, grad_scale=grad_scale,
+                                              p_copy=p_copy)
 
 
 def adamw_step_torch(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                      lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-                     grad_scale: float = 1.0) -> None:
+                     grad_scale: float = 1.0, p_copy: torch.Tensor | None = None) -> None:
     """The reference: torch.optim.AdamW's single-tensor update on fp32 copies of the moments (the moments
     themselves when they are fp32), then the copies rounded back; a ``grad_scale`` other than 1 scales a copy of
     the gradient first (what clipping the gradient in place, then torch's update, computes). Transient: two fp32
@@ -47,3 +49,5 @@ def adamw_step_torch(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if m32 is not exp_avg:
         exp_avg.copy_(m32)
         exp_avg_sq.copy_(v32)
+    if p_copy is not None:
+        p_copy.copy_(p)

@@ -10,13 +10,16 @@ one-rank expert FSDP mesh (``expert_parallel.replace_single_rank_fsdp``, world =
 The compute copies live in persistent buffers (one per parameter: 2 bytes per parameter in bf16) and are re-cast,
 in one foreach copy per unit, at the first forward after the parameter changed: after any optimizer step (a
 process-wide step hook: torch's fused AdamW does not bump the version counters) or any in-place write that bumps
-them (initialisation, a checkpoint load). The backward of every use (all micro-batches, the recompute under
-activation checkpointing) reads the same copy.
+them (initialisation, a checkpoint load). An optimizer may instead write the copies itself beside its update
+(``copies_to_write`` / ``copies_written``: ``training.optim.AdamW``'s Triton pass does, sparing the forward a read
+of every fp32 parameter). The backward of every use (all micro-batches, the recompute under activation
+checkpointing) reads the same copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import weakref
 from typing import Any
 
 import torch
@@ -48,6 +51,15 @@ def cast_copies_(copies: list[torch.Tensor], params: list[torch.Tensor]) -> None
     torch._foreach_copy_(copies, params)
 
 
+def _stamp(param: torch.Tensor, local: torch.Tensor, generation: int) -> tuple[int, ...]:
+    # Host-side fields only, no device sync: a step, a version bump (of the DTensor or of its local tensor, which a
+    # write through to_local() bumps alone), new storage (to_empty).
+    return generation, param._version, local._version, local.data_ptr()
+
+
+_INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every ComputeCopies, for the optimizers that write copies
+
+
 class ComputeCopies:
     """Each parameter's copy in ``dtype`` (None: the parameter's own, no copy), shared by every unit that reads it
     (a tied weight is cast once), re-cast only where the parameter changed since its last cast."""
@@ -55,6 +67,7 @@ class ComputeCopies:
     def __init__(self, dtype: torch.dtype | None) -> None:
         self.dtype = dtype
         self._entries: dict[torch.Tensor, tuple[tuple[int, ...], torch.Tensor]] = {}  # param -> (stamp, copy)
+        _INSTANCES.add(self)
 
     @torch.no_grad()
     def get(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -64,9 +77,7 @@ class ComputeCopies:
             return locals_
         stale: list[tuple[torch.Tensor, tuple[int, ...], torch.Tensor, torch.Tensor]] = []
         for param, local in zip(params, locals_):
-            # Host-side fields only, no device sync: a step, a version bump (of the DTensor or of its local
-            # tensor, which a write through to_local() bumps alone), new storage (to_empty).
-            stamp = (_generation, param._version, local._version, local.data_ptr())
+            stamp = _stamp(param, local, _generation)
             entry = self._entries.get(param)
             if entry is None or entry[0] != stamp:
                 copy = entry[1] if entry is not None and entry[0][3] == stamp[3] else torch.empty_like(
@@ -76,6 +87,23 @@ class ComputeCopies:
             cast_copies_([copy for *_, copy in stale], [local for _, _, local, _ in stale])
             self._entries.update({param: (stamp, copy) for param, stamp, _, copy in stale})
         return [self._entries[p][1] for p in params]
+
+
+def copies_to_write(params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+    """For an optimizer step that writes compute copies: param -> its compute copy (the local tensor's, in the copy
+    dtype) for each of ``params`` that has one. The step writes each updated parameter, rounded, into its copy,
+    then calls ``copies_written``."""
+    return {param: entry[1] for copies in _INSTANCES for param in params
+            if (entry := copies._entries.get(param)) is not None}
+
+
+def copies_written(params: list[torch.Tensor]) -> None:
+    """Inside an optimizer step: the copies of ``params`` hold the updated parameters, so they are current once the
+    step ends (its step hook counts the step: the stamp taken here is the one after it)."""
+    for copies in _INSTANCES:
+        for param in params:
+            if (entry := copies._entries.get(param)) is not None:
+                copies._entries[param] = (_stamp(param, _local(param), _generation + 1), entry[1])
 
 
 class _ComputeCopy(torch.autograd.Function):

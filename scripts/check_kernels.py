@@ -279,19 +279,22 @@ def check_attention(dev: torch.device, cfg: KernelConfig) -> list[str]:
     return failed
 
 
-def _adamw_case(name: str, output: int) -> Case:
-    """A 4M-parameter update at step 10 with bf16 moments (fp32 p and g) on a step that clips (the gradient scaled by
-    0.5 inside the update); ``output``: 0 the change of p, 1 exp_avg, 2 exp_avg_sq (each checked on its own: the
-    moments are ~1e-4 of p)."""
+def _adamw_case(name: str, output: int, moments: torch.dtype = torch.bfloat16) -> Case:
+    """A 4M-parameter update at step 10 with ``moments`` (fp32 p and g) on a step that clips (the gradient scaled by
+    0.5 inside the update) and writes p's bf16 compute copy; ``output``: 0 the change of p, 1 exp_avg, 2 exp_avg_sq
+    (each checked on its own: the moments are ~1e-4 of p), 3 the copy."""
     def make(gen: torch.Generator, dev: torch.device) -> Inputs:
         n = 1 << 22
         return {"p": _randn(gen, dev, n, dtype=torch.float32), "g": _randn(gen, dev, n, scale=1e-2, dtype=torch.float32),
-                "m": _randn(gen, dev, n, scale=1e-2), "v": _randn(gen, dev, n, scale=1e-2).square()}
+                "m": _randn(gen, dev, n, scale=1e-2, dtype=moments),
+                "v": _randn(gen, dev, n, scale=1e-2, dtype=moments).square()}
 
     def call(fn: Callable, t: Inputs) -> torch.Tensor:
         p, m, v = t["p"].clone(), t["m"].clone(), t["v"].clone()
-        fn(p, t["g"], m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0, grad_scale=0.5)
-        return (p - t["p"], m, v)[output].float()
+        p_copy = torch.empty_like(p, dtype=torch.bfloat16)
+        fn(p, t["g"], m, v, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0, grad_scale=0.5,
+           p_copy=p_copy)
+        return (p - t["p"], m, v, p_copy)[output].float()
 
     return Case(name, make, call, TOL_ELEMENTWISE, backward=False)
 
@@ -332,8 +335,10 @@ CASES: dict[str, list[Case]] = {
     "grouped_mm": [_grouped_mm_case("qwen3 ep8 gate_up, 64k rows", 65536, 2 * I_EXPERT, D_HIDDEN),
                    _grouped_mm_case("qwen3 ep8 down, 64k rows", 65536, D_HIDDEN, I_EXPERT),
                    _grouped_mm_case("qwen3 ep8 gate_up, an idle expert", 65536, 2 * I_EXPERT, D_HIDDEN, True)],
-    "adamw_step": [_adamw_case("4M params, bf16 moments, dp", 0), _adamw_case("4M params, bf16 moments, m", 1),
-                   _adamw_case("4M params, bf16 moments, v", 2)],
+    "adamw_step": [*(_adamw_case(f"4M params, {label} moments, {what}", i, dtype)
+                     for label, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+                     for i, what in enumerate(("dp", "m", "v"))),
+                   _adamw_case("4M params, bf16 moments, bf16 copy of p", 3)],
 }
 
 

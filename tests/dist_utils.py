@@ -147,16 +147,17 @@ def loss_share(model: torch.nn.Module, dims, tokens_GT1: torch.Tensor) -> torch.
 
 def train_steps(model: torch.nn.Module, dims, tokens_SGT1: torch.Tensor, lr: float = 1e-2,
                 max_norm: float = 0.5, micro_batches: int = 1, autocast: torch.autocast | None = None,
-                fused: bool | None = None) -> list[dict[str, float]]:
+                fused: bool | None = None, optimizer: torch.optim.Optimizer | None = None) -> list[dict[str, float]]:
     """The training step of train.py in a few lines: loss share, backward with grad_scale, cross-mesh
     clipping, AdamW; returns the global loss and grad norm of every step. ``micro_batches``: each step's batch
     in that many chunks, one backward each on its part of the share; ``autocast``: around each forward;
-    ``fused``: AdamW's (its fused kernel bumps no version counter of the parameters it updates)."""
+    ``fused``: AdamW's (its fused kernel bumps no version counter of the parameters it updates); ``optimizer``:
+    another one over the model's parameters instead."""
     from contextlib import nullcontext
 
     from parallelisms import clip_grad_norm_
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=fused)
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=fused)
     history = []
     for step, tokens_GT1 in enumerate(tokens_SGT1, 1):
         share = 0.0

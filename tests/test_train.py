@@ -73,12 +73,14 @@ def test_grad_accumulation_equals_the_larger_batch(tiny_run_config, tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
-def test_fused_adamw_trains_like_foreach_and_is_the_cuda_default(tiny_run_config, tmp_path):
+def test_adamw_choice_and_fused_adamw_trains_like_foreach(tiny_run_config, tmp_path):
     from training.config import OptimConfig
-    from training.optim import use_fused
+    from training.optim import adamw_kind
 
-    assert use_fused(OptimConfig(), "cuda") and not use_fused(OptimConfig(), "cpu")
-    assert not use_fused(OptimConfig(fused=False), "cuda") and use_fused(OptimConfig(fused=True), "cpu")
+    assert adamw_kind(OptimConfig(), "cuda") == "project" and adamw_kind(OptimConfig(), "cpu") == "torch_foreach"
+    assert adamw_kind(OptimConfig(fused=True), "cuda") == adamw_kind(OptimConfig(fused=True), "cpu") == "torch_fused"
+    assert adamw_kind(OptimConfig(fused=False), "cuda") == "torch_foreach"
+    assert adamw_kind(OptimConfig(state_dtype="bfloat16"), "cpu") == "project"
     foreach = train.run(tiny_run_config("train.steps=3", "optim.fused=false"))
     fused = train.run(tiny_run_config("train.steps=3", "optim.fused=true", f"train.output_dir={tmp_path / 'fused'}"))
     assert len(foreach) == len(fused) == 3

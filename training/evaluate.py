@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from core.constants import IGNORE_INDEX
+from core.device import to_device
 
 
 @torch.no_grad()
@@ -18,7 +19,7 @@ def validation_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor
     model.eval()
     totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss sum, trained tokens
     for batch in batches:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = to_device(batch, device)
         with autocast:
             out = model(batch["input_ids"], batch["position_ids"], batch["labels"])
         totals += torch.stack([out.loss_sum.double(), (batch["labels"] != IGNORE_INDEX).sum().double()])

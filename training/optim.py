@@ -11,22 +11,34 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from kernels.adamw import adamw_step_
+from parallelisms.compute_copy import copies_to_write, copies_written
 from parallelisms.grad_norm import clip_coefficient, scale_grads_
 from training.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm weights and other vectors are not decayed): torch's with fp32
-    moments (``optim.state_dtype=float32``), ``AdamW`` below with bf16 ones."""
+    """AdamW with weight decay on matrices only (norm weights and other vectors are not decayed): ``AdamW`` below
+    with bf16 moments, and by default on CUDA with fp32 ones too (its Triton pass takes the clip in); otherwise
+    torch's, fused (``optim.fused=true``) or foreach."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    if cfg.state_dtype == "bfloat16":
-        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=torch.bfloat16)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             fused=use_fused(cfg, params[0].device.type))
+    kind = adamw_kind(cfg, params[0].device.type)
+    if kind == "project":
+        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=getattr(torch, cfg.state_dtype))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=kind == "torch_fused")
+
+
+def adamw_kind(cfg: OptimConfig, device_type: str) -> str:
+    """Which AdamW: ``project`` (``AdamW`` below: bf16 moments, and fp32 ones on CUDA unless ``optim.fused`` is
+    set, where one Triton pass per parameter also applies the clip: no pass over the gradients, measured in
+    docs/benchmarks.md), ``torch_fused`` (``optim.fused=true``) or ``torch_foreach`` (``optim.fused=false``, and
+    elsewhere by default: the reference's several passes are slower than foreach's on a CPU)."""
+    if cfg.state_dtype == "bfloat16" or (cfg.fused is None and device_type == "cuda"):
+        return "project"
+    return "torch_fused" if cfg.fused else "torch_foreach"
 
 
 class AdamW(torch.optim.Optimizer):
@@ -64,9 +76,9 @@ class AdamW(torch.optim.Optimizer):
             raise NotImplementedError("AdamW.step takes no closure")
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            updated = [p for p in group["params"] if p.grad is not None]
+            copies = copies_to_write(updated)  # written beside the update: the next forward casts none of them
+            for p in updated:
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
@@ -75,7 +87,9 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 adamw_step_(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], step=float(state["step"]), grad_scale=grad_scale)
+                            weight_decay=group["weight_decay"], step=float(state["step"]), grad_scale=grad_scale,
+                            p_copy=copies.get(p))
+            copies_written(list(copies))
         return None
 
 
@@ -95,13 +109,6 @@ def clipped_step(optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: f
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard (a view: in-place updates reach the DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def use_fused(cfg: OptimConfig, device_type: str) -> bool:
-    """``optim.fused``, or by default the fused kernel on CUDA: one pass over p, g, m, v instead of foreach's
-    one kernel per elementwise op (measured on an H200 with 2.8B parameters per GPU: 72 ms -> see
-    docs/benchmarks.md). torch's own default for ``fused=None`` is foreach."""
-    return cfg.fused if cfg.fused is not None else device_type == "cuda"
 
 
 # Decay shapes: the multiplier's fraction of (1 - min_lr_ratio) left at decay progress p in [0, 1].

@@ -155,6 +155,11 @@ class StepProfiler:
             self._prof.start()
             self._start = time.perf_counter()
 
+    @property
+    def profiling(self) -> bool:
+        """Whether the current step is inside the profiled window."""
+        return self._prof is not None
+
     def step_end(self, step: int) -> None:
         if self._prof is not None:
             self._steps += 1
