@@ -291,17 +291,14 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             attended = sum(attended_flops_per_token(model_args, w["position_ids"]) for w in windows) / len(windows)
             shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
             batches = [device.to_device(shard, dev) for shard in shards]
-            data_time = time.perf_counter() - data_start  # the loader is on the critical path: keep this small
+            data_time = time.perf_counter() - data_start  # host time, overlapping the previous step's optimizer
         lr = scheduler.get_last_lr()[0]
         result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args, autocast, update=step > 0)
         # No device sync at the end of a step: the host logs this step and fetches the next batch while the device
         # runs this step's optimizer. The step's one host read (after backward) paces the loop, so the time between
         # two steps' returns is a step's time; where the host did wait for the device (an eval, a checkpoint, the
         # profiler), the next step is timed from then.
-        waited = profiler.profiling
-        if waited:
-            device.synchronize(dev_type)  # the profiled window holds all of its steps' kernels
-        profiler.step_end(step)
+        waited = profiler.step_end(step)  # at the profiled window's end: after a device sync
         now = time.perf_counter()
         step_time, clock = now - clock, now
         tokens_total += tokens_per_step if step > 0 else 0

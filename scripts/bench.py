@@ -84,7 +84,7 @@ def cell_overrides(args: argparse.Namespace, layout: str, dispatcher: str, out: 
             f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
             f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
             "train.save_final=false", "logging.tensorboard=false", f"logging.profile_step={args.profile_step}",
-            "logging.profile_steps=1", *args.extra]
+            f"logging.profile_steps={args.profile_steps}", *args.extra]
 
 
 def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
@@ -100,8 +100,9 @@ def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, 
     if result.returncode != 0:
         return {"layout": layout, "dispatcher": dispatcher, "error": f"exit code {result.returncode}"}
     metrics = [json.loads(line) for line in (cell_dir / "metrics.jsonl").open()]
-    # The profiled step runs slower (the profiler's own overhead): it is not averaged.
-    timed = [m for m in metrics[args.warmup:] if m["step"] != args.profile_step] or metrics
+    # The profiled steps run slower (the profiler's own overhead): they are not averaged.
+    profiled = range(args.profile_step, args.profile_step + args.profile_steps) if args.profile_step else range(0)
+    timed = [m for m in metrics[args.warmup:] if m["step"] not in profiled] or metrics
     mean = lambda key: float(np.mean([m[key] for m in timed]))  # noqa: E731
     tps = mean("tokens_per_s_per_device")
     mfu = mean("mfu") if timed[0]["mfu"] is not None else None
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "bench")
     parser.add_argument("--vocab", type=int, default=151643, help="token ids are drawn below this")
+    parser.add_argument("--profile-steps", type=int, default=1,
+                        help="profile this many steps from --profile-step (the window runs unsynchronised, as every "
+                             "step does: the per-step figures are the steady state's)")
     parser.add_argument("--profile-step", type=int, default=0,
                         help="profile this step (not averaged) and print each cell's summary")
     parser.add_argument("--docs", default="none",

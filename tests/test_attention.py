@@ -64,7 +64,7 @@ def qkv(B: int = 2, seed: int = 0) -> list[torch.Tensor]:
 def out_and_grads(attention, docs: Documents | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     leaves = [x.detach().clone().requires_grad_() for x in tensors]
     out = attention(*leaves, docs, d**-0.5)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device))
     return [out.detach(), *(x.grad for x in leaves)]
 
 
@@ -77,7 +77,7 @@ def each_document_alone(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         rows.append(torch.cat([causal_sdpa(*(x[b:b + 1, :, s:e] for x in leaves), d**-0.5)
                                for s, e in zip(bounds, bounds[1:])], dim=2))
     out = torch.cat(rows)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device))
     return [out.detach(), *(x.grad for x in leaves)]
 
 

@@ -214,11 +214,13 @@ def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
 
 def reduce_routing(routing_LX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The global batch's ``routing_summary`` on the host: summed over the data-parallel group, then one small
-    device->host copy, which ``moe_metrics`` and ``expert_shares`` share."""
+    device->host copy, which ``moe_metrics`` and ``expert_shares`` share. From an accelerator the copy is queued
+    into pinned memory, not waited for: read the result after a blocking read queued behind it (train_step's)."""
     if group is not None:
         routing_LX = routing_LX.clone()
         dist.all_reduce(routing_LX, group=group)
-    return routing_LX.cpu()
+    host_LX = torch.empty(routing_LX.shape, dtype=routing_LX.dtype, pin_memory=routing_LX.device.type != "cpu")
+    return host_LX.copy_(routing_LX, non_blocking=True)
 
 
 def expert_shares(routing_LX: torch.Tensor) -> list[list[float]]:

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from core import device
+
 logger = logging.getLogger(__name__)
 
 COMMUNICATION = "communication"
@@ -140,8 +142,9 @@ def _activities(device_type: str) -> list[torch.profiler.ProfilerActivity]:
 
 class StepProfiler:
     """Profiles steps start_step .. start_step + num_steps - 1; start_step 0 makes every method a no-op.
-    The training loop calls ``step_begin``/``step_end`` around each step (after the device sync, so the
-    wall time is complete) and ``close`` after the loop, which also ends a window the run stopped inside."""
+    The training loop calls ``step_begin``/``step_end`` around each step (the window's steps run as the others do,
+    without a device sync between them) and ``close`` after the loop, which also ends a window the run stopped
+    inside."""
 
     def __init__(self, run_dir: Path, start_step: int, num_steps: int, rank: int, device_type: str) -> None:
         self._dir, self._rank, self._device_type = run_dir / "profile", rank, device_type
@@ -151,25 +154,27 @@ class StepProfiler:
 
     def step_begin(self, step: int) -> None:
         if self._enabled and step == self._first:
+            # The training loop does not wait for a step's optimizer: the window starts on an idle device, so no
+            # kernel of the step before runs inside it unrecorded.
+            device.synchronize(self._device_type)
             self._prof = torch.profiler.profile(activities=_activities(self._device_type))
             self._prof.start()
             self._start = time.perf_counter()
 
-    @property
-    def profiling(self) -> bool:
-        """Whether the current step is inside the profiled window."""
-        return self._prof is not None
-
-    def step_end(self, step: int) -> None:
+    def step_end(self, step: int) -> bool:
+        """After each step; at the window's last, waits for the device and writes the profile (returns True)."""
         if self._prof is not None:
             self._steps += 1
             if step == self._last:
                 self.close()
+                return True
+        return False
 
     def close(self) -> None:
         """Stop, write the trace and summary of this rank, and log the summary on rank 0."""
         if self._prof is None:
             return
+        device.synchronize(self._device_type)  # the window's wall time holds all of its kernels
         wall_s = time.perf_counter() - self._start
         prof, self._prof = self._prof, None
         prof.stop()
