@@ -34,6 +34,7 @@ from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
                           read_hf_config)
+from models.layers import document_ids
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
                                  set_rng_state)
@@ -153,7 +154,7 @@ class StepResult(NamedTuple):
     routing_LX: torch.Tensor  # per MoE layer, the global batch's, on the host: see training.metrics.reduce_routing
 
 
-def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer: torch.optim.Optimizer,
                scheduler, cfg: TrainConfig, dims: parallelisms.ParallelDims, args: Any, autocast: torch.autocast,
                update: bool) -> StepResult:
     """Forward/backward over the micro-batches, clip, and (unless told not to, or non-finite) step: the
@@ -166,7 +167,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], o
     ce_share = aux_share = z_share = routing_LX = 0.0
     for batch in batches:
         with autocast:
-            out = model(batch["input_ids"], batch["position_ids"], batch["labels"])  # chunked LM head + CE
+            out = model(batch["input_ids"], batch["position_ids"], batch["labels"], packed=batch["packed"])
         ce = out.loss_sum / num_tokens
         aux, z = (share / len(batches) for share in router_loss_shares(out.router_stats, args.num_experts,
                                                                          dims.data_group))
@@ -290,7 +291,10 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             # This rank's whole sequences (before the cp split): the attention pairs its dp slice computes.
             attended = sum(attended_flops_per_token(model_args, w["position_ids"]) for w in windows) / len(windows)
             shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
-            batches = [device.to_device(shard, dev) for shard in shards]
+            # Whether a window is packed, read here on the host: the forward then need not ask the device (a sync
+            # that would wait for this step's optimizer before the forward could be queued).
+            batches = [{**device.to_device(shard, dev), "packed": document_ids(window["position_ids"]) is not None}
+                       for shard, window in zip(shards, windows)]
             data_time = time.perf_counter() - data_start  # host time, overlapping the previous step's optimizer
         lr = scheduler.get_last_lr()[0]
         result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args, autocast, update=step > 0)

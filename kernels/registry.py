@@ -6,7 +6,8 @@ op's own key (``kernel_config.attention``), must run, or selection fails.
 Two kinds of op, chosen alike: those the models call through a kernel slot (see ``models/layers.py``: norms,
 activations, rotary, the cross-entropy step, the delta rule, packed-document attention), and those the dispatch
 path's kernel functions call (``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``,
-``kernels.adamw``), which EP dispatchers, the experts and the optimizer use without ever checking the device.
+``kernels.adamw``, ``kernels.cast``), which EP dispatchers, the experts, the gradient hand-off and the optimizer use
+without ever checking the device.
 
 ``select_kernels(cfg, device_type)`` chooses one implementation per op and records why (``Kernels.log``: one line
 per op at start-up); ``apply_kernels(model, kernels)`` installs the choices: into every module's kernel slots, and
@@ -31,6 +32,7 @@ from core import device
 from kernels import fla, installed
 from kernels.adamw import adamw_step_torch
 from kernels.attention import DenseMaskAttention, FlexAttention, VarlenAttention, varlen_signature_problem
+from kernels.cast import cast_gradient_torch
 from kernels.config import AUTO, FLA, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, plugin_names
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kernels.float8_permute import gather_quantize_rows_torch
@@ -228,7 +230,10 @@ OPS: dict[str, OpSpec] = {
         Impl("torch._grouped_mm", ("cuda",), _lazy("kernels.grouped_mm", "native_grouped_mm"), _needs_grouped_mm,
              "where it supports the dtype (probed at the first call), else the per-expert loop"),
         _npu_moe("grouped_mm", "the per-expert loop where an expert gets no rows or is the only one")),
-    # The optimizer's update (optim.state_dtype=bfloat16: training.optim.AdamW), one pass per parameter.
+    # One process's gradient hand-off (parallelisms/compute_copy.py): bf16 to fp32 in the parameter's layout.
+    "cast_gradient": _dispatch(cast_gradient_torch, Impl("triton", ("cuda",), _lazy("kernels.triton_cast",
+                                                                                     "cast_gradient"), _needs_triton)),
+    # The optimizer's update (training.optim.AdamW, the CUDA default), one pass per parameter.
     "adamw_step": _dispatch(adamw_step_torch, Impl("triton", ("cuda",), _lazy("kernels.triton_adamw", "adamw_step"),
                                                    _needs_triton)),
 }

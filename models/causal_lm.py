@@ -14,10 +14,11 @@ from kernels.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entro
 from models.init import ShardedInit, constant, normal
 from models.layers import DenseMaskAttention, Documents, RMSNorm, document_ids
 from models.moe import GroupedExperts, RouterStats, TopKRouter
-from models.sequence_ops import SequenceOp, WholeSequence
+from models.sequence_ops import Passed, SequenceOp, WholeSequence
 
-# Documents need the whole sequence's position ids (under CP every rank's: gathered).
-FIND_DOCUMENTS = SequenceOp(args=(WholeSequence(dim=-1),), out=None)
+# Documents need the whole sequence's position ids (under CP every rank's: gathered); whether it is packed is known
+# for the whole sequence already.
+FIND_DOCUMENTS = SequenceOp(args=(WholeSequence(dim=-1), Passed()), out=None)
 
 
 @dataclass
@@ -80,21 +81,21 @@ class MoeDecoder(nn.Module):
     def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor
+    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor, packed: bool | None = None
                 ) -> tuple[torch.Tensor, list[RouterStats]]:
         h_BTD = self.embed_tokens(input_ids_BT)
         cos, sin = self.rotary_tables(position_ids, h_BTD.dtype)
-        docs = self.find_documents(position_ids)
+        docs = self.find_documents(position_ids, packed)
         stats = []
         for layer in self.layers:
             h_BTD, layer_stats = layer(h_BTD, cos, sin, docs)
             stats.append(layer_stats)
         return self.norm(h_BTD), stats
 
-    def find_documents(self, position_ids: torch.Tensor) -> Documents | None:
+    def find_documents(self, position_ids: torch.Tensor, packed: bool | None = None) -> Documents | None:
         """The whole sequence's packed documents (a sequence op: under CP, of every cp rank's position ids), or
-        None when every row is one document."""
-        ids_BT = document_ids(position_ids)
+        None when every row is one document (``packed``: see ``document_ids``)."""
+        ids_BT = document_ids(position_ids, packed)
         return None if ids_BT is None else self.attention.documents(ids_BT)
 
 
@@ -113,12 +114,14 @@ class MoeCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None) -> CausalLMOutput:
+                labels_BT: torch.Tensor | None = None, packed: bool | None = None) -> CausalLMOutput:
         """``position_ids`` [B, T] (or a family's multimodal [3, B, T]); default 0..T-1 for every row.
-        With ``labels_BT`` (already shifted, -100 = ignore) the output has ``loss_sum`` and no logits."""
+        With ``labels_BT`` (already shifted, -100 = ignore) the output has ``loss_sum`` and no logits. ``packed``:
+        whether the rows hold several documents, where the caller knows (``models.layers.document_ids``)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
-        h_BTD, stats = self.model(input_ids_BT, position_ids)
+            packed = False
+        h_BTD, stats = self.model(input_ids_BT, position_ids, packed)
         if labels_BT is None:
             return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
         return CausalLMOutput(logits=None, router_stats=stats, loss_sum=self.lm_head(h_BTD, labels_BT))

@@ -70,13 +70,16 @@ def rotary_cos_sin(
     return emb_BTr.cos().to(dtype), emb_BTr.sin().to(dtype)
 
 
-def document_ids(position_ids_BT: torch.Tensor) -> torch.Tensor | None:
+def document_ids(position_ids_BT: torch.Tensor, packed: bool | None = None) -> torch.Tensor | None:
     """Index of each token's document within its row (0, 1, ...) for packed rows, or None if every row is one
     document. A document starts wherever a position id is not its predecessor's + 1, as transformers detects packed
-    sequences. Multimodal [3, B, T] position ids are taken as one document per row."""
-    if position_ids_BT.dim() != 2:
+    sequences. Multimodal [3, B, T] position ids are taken as one document per row. ``packed``: whether any row
+    holds more than one document, where the caller knows it (the trainer, from the host copy of the ids); None
+    finds out, at the cost of a host sync for ids on an accelerator."""
+    if position_ids_BT.dim() != 2 or packed is False:
         return None
     starts_BT = position_ids_BT.diff(dim=1, prepend=position_ids_BT[:, :1] - 1) != 1
     doc_ids_BT = starts_BT.cumsum(dim=1)
-    # One host sync per forward (as transformers' check): unpacked rows keep the plain causal kernels.
-    return doc_ids_BT if bool(doc_ids_BT[:, -1].any()) else None
+    if packed is None:  # unpacked rows keep the plain causal kernels
+        packed = bool(doc_ids_BT[:, -1].any())
+    return doc_ids_BT if packed else None

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
+from kernels.cast import cast_gradient
+
 # Optimizer steps taken in this process, by any optimizer (an unrelated one's step costs a re-cast, never a stale
 # copy): process-wide and registered at import, as every optimizer's step must be seen.
 _generation = 0
@@ -121,9 +123,7 @@ class _ComputeCopy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        reduced = torch.empty_strided(g.shape, ctx.w_stride, dtype=ctx.reduce_dtype, device=g.device).copy_(g)
-        if ctx.factor != 1:
-            reduced.div_(ctx.factor)
+        reduced = cast_gradient(g, ctx.reduce_dtype, ctx.w_stride, ctx.factor)
         return reduced.to(ctx.w_dtype), None, None, None
 
 

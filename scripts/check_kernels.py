@@ -299,6 +299,12 @@ def _adamw_case(name: str, output: int, moments: torch.dtype = torch.bfloat16) -
     return Case(name, make, call, TOL_ELEMENTWISE, backward=False)
 
 
+def _cast_case(name: str, divide_by: float) -> Case:
+    """A 4M-element bf16 gradient to fp32, divided by ``divide_by``: exact (tolerance 0), as the reference."""
+    return Case(name, lambda gen, dev: {"g": _randn(gen, dev, 1024, 4096)},
+                lambda fn, t: fn(t["g"], torch.float32, (4096, 1), divide_by), 0.0, backward=False)
+
+
 CASES: dict[str, list[Case]] = {
     "rms_norm": [_norm_case("qwen3 hidden 2048", (4 * 4096, 2048), 1.0),
                  _norm_case("qwen3 q_norm 32 x 128", (4, 4096, 32, 128), 1.0)],
@@ -335,6 +341,7 @@ CASES: dict[str, list[Case]] = {
     "grouped_mm": [_grouped_mm_case("qwen3 ep8 gate_up, 64k rows", 65536, 2 * I_EXPERT, D_HIDDEN),
                    _grouped_mm_case("qwen3 ep8 down, 64k rows", 65536, D_HIDDEN, I_EXPERT),
                    _grouped_mm_case("qwen3 ep8 gate_up, an idle expert", 65536, 2 * I_EXPERT, D_HIDDEN, True)],
+    "cast_gradient": [_cast_case("4M bf16 -> fp32", 1.0), _cast_case("4M bf16 -> fp32, divided by 3", 3.0)],
     "adamw_step": [*(_adamw_case(f"4M params, {label} moments, {what}", i, dtype)
                      for label, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
                      for i, what in enumerate(("dp", "m", "v"))),

@@ -239,6 +239,19 @@ def test_document_ids_follow_transformers_rule():
     assert document_ids(position_ids_BT).tolist() == [[0, 0, 0, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
     assert document_ids(torch.arange(7).expand(2, 7) + 3) is None  # unpacked rows keep the causal kernel
     assert document_ids(position_ids_BT.expand(3, 2, 7)) is None  # multimodal streams: one document per row
+    # The trainer's answer from the host copy, which spares the forward its sync, gives the same ids or None.
+    assert document_ids(position_ids_BT, packed=True).tolist() == document_ids(position_ids_BT).tolist()
+    assert document_ids(position_ids_BT, packed=False) is None
+
+
+def test_a_model_told_whether_rows_are_packed_computes_as_one_that_finds_out():
+    model = seeded_model("qwen3_moe", initializer_range=0.1).eval()
+    input_ids_BT, position_ids_BT = packed_batch()
+    with torch.no_grad():
+        found = model(input_ids_BT, position_ids_BT).logits
+        told = model(input_ids_BT, position_ids_BT, packed=True).logits
+        unpacked = model(input_ids_BT, position_ids_BT, packed=False).logits  # what packed=False would misread
+    assert torch.equal(found, told) and not torch.allclose(found, unpacked)
 
 
 # ---------------------------------------------------------------------------------------------- without a spawn

@@ -40,8 +40,6 @@ _SYNCING = {aten._local_scalar_dense.default: "item", aten.nonzero.default: "non
 EXPECTED = {
     # The step's one deliberate read: loss and grad norm, which decide whether the optimizer may step.
     ("train.py", "train_step", "tolist"): 1,
-    # Packed documents or not, once per forward: unpacked rows keep the plain causal attention kernels.
-    ("models/layers.py", "document_ids", "item"): 1,
 }
 # Non-fused torch.optim AdamW keeps its step counters on the host: created from host data at the first step and
 # read there, no device data involved (so does the CUDA default, training.optim.AdamW).
