@@ -34,7 +34,7 @@ from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
                           read_hf_config)
-from models.layers import document_ids
+from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
                                  set_rng_state)
@@ -291,9 +291,9 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             # This rank's whole sequences (before the cp split): the attention pairs its dp slice computes.
             attended = sum(attended_flops_per_token(model_args, w["position_ids"]) for w in windows) / len(windows)
             shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
-            # Whether a window is packed, read here on the host: the forward then need not ask the device (a sync
-            # that would wait for this step's optimizer before the forward could be queued).
-            batches = [{**device.to_device(shard, dev), "packed": document_ids(window["position_ids"]) is not None}
+            # Whether a window is packed, and its documents' offsets, read here on the host: the forward then asks
+            # the device nothing (a read that would wait for the step before to finish before it could queue).
+            batches = [{**device.to_device(shard, dev), "packed": known_documents(window["position_ids"], dev)}
                        for shard, window in zip(shards, windows)]
             data_time = time.perf_counter() - data_start  # host time, overlapping the previous step's optimizer
         lr = scheduler.get_last_lr()[0]

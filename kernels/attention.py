@@ -4,7 +4,8 @@ skip cross-document blocks without ever building a T x T tensor.
 The op is a kernel slot of the attention modules and of the decoder (``models/causal_lm.py``), and what it holds is
 an object with two methods, chosen once by ``kernels/registry.py`` and shared by every slot:
 
-- ``documents(ids_BT)`` -> ``Documents``: what the kernel needs about a batch's packed documents, built ONCE per
+- ``documents(ids_BT, known)`` -> ``Documents``: what the kernel needs about a batch's packed documents (``known``:
+  the offsets the host read, ``KnownDocuments``, else found on the device), built ONCE per
   forward in the decoder before the layers (from the whole sequence's document ids, also under context
   parallelism), passed to every layer and seen unchanged by activation-checkpoint recomputation (the checkpointed
   block is re-run with the same arguments); nothing is built inside a layer, so compiled layers see plain inputs.
@@ -45,6 +46,15 @@ class Documents:
     block_mask: Any = None  # FlexAttention's BlockMask; None where not needed
 
 
+@dataclass(frozen=True)
+class KnownDocuments:
+    """A batch's document offsets as the host knows them (the trainer reads them from its copy of the position ids
+    before the batch goes to the device): ``documents`` then reads nothing back from the device."""
+
+    cu_seqlens_n1: Tensor  # document_cu_seqlens of the batch, on the batch's device
+    max_len: int  # the longest document
+
+
 def document_cu_seqlens(ids_BT: Tensor) -> Tensor:
     """Start offsets of every document in the flattened [B*T] tokens, then B*T: FLA's (and flash-attention's varlen)
     ``cu_seqlens``. Every row starts a document too."""
@@ -59,13 +69,17 @@ def causal_sdpa(q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, scale: float) ->
                                           enable_gqa=k_BhTd.shape[1] != q_BHTd.shape[1])
 
 
+def _cu_seqlens(ids_BT: Tensor, known: KnownDocuments | None) -> Tensor:
+    return known.cu_seqlens_n1 if known is not None else document_cu_seqlens(ids_BT)  # nonzero: a host read
+
+
 class DenseMaskAttention:
     """The torch reference: SDPA with a dense [B, 1, T, T] document mask and the kv heads repeated (the CUDA kernels
     that take a mask do not take GQA; transformers does the same). O(T^2) memory: the CPU default and the
     tests' yardstick, never the CUDA default."""
 
-    def documents(self, ids_BT: Tensor) -> Documents:
-        return Documents(ids_BT, document_cu_seqlens(ids_BT))
+    def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
+        return Documents(ids_BT, _cu_seqlens(ids_BT, known))
 
     def __call__(self, q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, docs: Documents | None,
                  scale: float) -> Tensor:
@@ -126,8 +140,8 @@ class FlexAttention(DenseMaskAttention):
     def __init__(self, compiled: bool = True) -> None:
         self.compiled = compiled
 
-    def documents(self, ids_BT: Tensor) -> Documents:
-        return Documents(ids_BT, document_cu_seqlens(ids_BT), block_mask=document_block_mask(ids_BT))
+    def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
+        return Documents(ids_BT, _cu_seqlens(ids_BT, known), block_mask=document_block_mask(ids_BT))
 
     def __call__(self, q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, docs: Documents | None,
                  scale: float) -> Tensor:
@@ -165,9 +179,11 @@ class VarlenAttention(DenseMaskAttention):
         self.varlen = varlen
         self.gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen).parameters else {}
 
-    def documents(self, ids_BT: Tensor) -> Documents:
+    def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
+        if known is not None:
+            return Documents(ids_BT, known.cu_seqlens_n1, max_len=known.max_len)
         cu_seqlens_n1 = document_cu_seqlens(ids_BT)
-        return Documents(ids_BT, cu_seqlens_n1, max_len=int(cu_seqlens_n1.diff().max()))  # one host read per batch
+        return Documents(ids_BT, cu_seqlens_n1, max_len=int(cu_seqlens_n1.diff().max()))  # host reads
 
     def __call__(self, q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, docs: Documents | None,
                  scale: float) -> Tensor:

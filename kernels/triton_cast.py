@@ -1,6 +1,6 @@
 """Triton (CUDA) kernel for ``kernels.cast.cast_gradient``: one vectorised pass (read 2 bytes, write 4 per element
-for bf16 -> fp32), the division IEEE-rounded as torch's ``div_``; the same signature as the torch reference, which
-takes any other layout."""
+for bf16 -> fp32), the division as torch's CUDA ``div_`` by a scalar does it (times the fp32 reciprocal), so the
+result is the reference's to the bit; the same signature as the torch reference, which takes any other layout."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _cast_kernel(G, OUT, n, divide_by, BLOCK: tl.constexpr, DIVIDE: tl.constexpr
     mask = offs < n
     x = tl.load(G + offs, mask=mask).to(OUT.dtype.element_ty)
     if DIVIDE:
-        x = tl.math.div_rn(x, divide_by)
+        x = x * divide_by  # the reciprocal: torch's CUDA division by a scalar multiplies by it too
     tl.store(OUT + offs, x, mask=mask)
 
 
@@ -29,6 +29,7 @@ def cast_gradient(g: torch.Tensor, dtype: torch.dtype, stride: tuple[int, ...], 
     out = torch.empty_like(g, dtype=dtype)
     n = g.numel()
     if n:
-        _cast_kernel[(triton.cdiv(n, _BLOCK),)](g, out, n, float(divide_by), BLOCK=_BLOCK, DIVIDE=divide_by != 1,
+        reciprocal = torch.tensor(divide_by, dtype=dtype).reciprocal().item()  # rounded to fp32 first, as torch's
+        _cast_kernel[(triton.cdiv(n, _BLOCK),)](g, out, n, reciprocal, BLOCK=_BLOCK, DIVIDE=divide_by != 1,
                                                 num_warps=8)
     return out

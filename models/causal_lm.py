@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from kernels.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entropy_sum, softmax_cross_entropy_
 from models.init import ShardedInit, constant, normal
-from models.layers import DenseMaskAttention, Documents, RMSNorm, document_ids
+from models.layers import DenseMaskAttention, Documents, KnownDocuments, RMSNorm, document_ids
 from models.moe import GroupedExperts, RouterStats, TopKRouter
 from models.sequence_ops import Passed, SequenceOp, WholeSequence
 
@@ -81,8 +81,8 @@ class MoeDecoder(nn.Module):
     def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor, packed: bool | None = None
-                ) -> tuple[torch.Tensor, list[RouterStats]]:
+    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor,
+                packed: bool | KnownDocuments | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
         h_BTD = self.embed_tokens(input_ids_BT)
         cos, sin = self.rotary_tables(position_ids, h_BTD.dtype)
         docs = self.find_documents(position_ids, packed)
@@ -92,11 +92,13 @@ class MoeDecoder(nn.Module):
             stats.append(layer_stats)
         return self.norm(h_BTD), stats
 
-    def find_documents(self, position_ids: torch.Tensor, packed: bool | None = None) -> Documents | None:
+    def find_documents(self, position_ids: torch.Tensor, packed: bool | KnownDocuments | None = None
+                       ) -> Documents | None:
         """The whole sequence's packed documents (a sequence op: under CP, of every cp rank's position ids), or
-        None when every row is one document (``packed``: see ``document_ids``)."""
+        None when every row is one document (``packed``: see ``document_ids``; its offsets where known)."""
         ids_BT = document_ids(position_ids, packed)
-        return None if ids_BT is None else self.attention.documents(ids_BT)
+        known = packed if isinstance(packed, KnownDocuments) else None
+        return None if ids_BT is None else self.attention.documents(ids_BT, known)
 
 
 class MoeCausalLM(nn.Module):
@@ -114,10 +116,11 @@ class MoeCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None, packed: bool | None = None) -> CausalLMOutput:
+                labels_BT: torch.Tensor | None = None, packed: bool | KnownDocuments | None = None
+                ) -> CausalLMOutput:
         """``position_ids`` [B, T] (or a family's multimodal [3, B, T]); default 0..T-1 for every row.
         With ``labels_BT`` (already shifted, -100 = ignore) the output has ``loss_sum`` and no logits. ``packed``:
-        whether the rows hold several documents, where the caller knows (``models.layers.document_ids``)."""
+        whether the rows hold several documents, where the caller knows (``models.layers.known_documents``)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
             packed = False

@@ -26,14 +26,15 @@ from typing import Callable, ClassVar, Mapping
 import torch
 import torch.nn as nn
 
-from kernels.attention import DenseMaskAttention, Documents, document_cu_seqlens
+from core.device import to_device
+from kernels.attention import DenseMaskAttention, Documents, KnownDocuments, document_cu_seqlens
 from kernels.norm import rms_norm
 from kernels.rotary import apply_rotary, rotate_half
 from kernels.swiglu import packed_swiglu, swiglu
 
 # The references too: the families' slot defaults.
-__all__ = ["DenseMaskAttention", "Documents", "RMSNorm", "apply_rotary", "document_cu_seqlens", "document_ids",
-           "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]
+__all__ = ["DenseMaskAttention", "Documents", "KnownDocuments", "RMSNorm", "apply_rotary", "document_cu_seqlens", "document_ids",
+           "known_documents", "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]
 
 
 class RMSNorm(nn.Module):
@@ -70,12 +71,22 @@ def rotary_cos_sin(
     return emb_BTr.cos().to(dtype), emb_BTr.sin().to(dtype)
 
 
-def document_ids(position_ids_BT: torch.Tensor, packed: bool | None = None) -> torch.Tensor | None:
+def known_documents(position_ids_BT: torch.Tensor, dev: torch.device) -> KnownDocuments | bool:
+    """The ``packed`` a forward on ``dev`` takes, from the host copy of a batch's position ids: False (one document
+    per row) or the documents' offsets, queued to ``dev`` (no wait), and their longest length."""
+    ids_BT = document_ids(position_ids_BT)
+    if ids_BT is None:
+        return False
+    cu_seqlens_n1 = document_cu_seqlens(ids_BT)
+    return KnownDocuments(to_device({"cu": cu_seqlens_n1}, dev)["cu"], int(cu_seqlens_n1.diff().max()))
+
+
+def document_ids(position_ids_BT: torch.Tensor, packed: bool | KnownDocuments | None = None) -> torch.Tensor | None:
     """Index of each token's document within its row (0, 1, ...) for packed rows, or None if every row is one
     document. A document starts wherever a position id is not its predecessor's + 1, as transformers detects packed
     sequences. Multimodal [3, B, T] position ids are taken as one document per row. ``packed``: whether any row
-    holds more than one document, where the caller knows it (the trainer, from the host copy of the ids); None
-    finds out, at the cost of a host sync for ids on an accelerator."""
+    holds more than one document, where the caller knows it (the trainer, from the host copy of the ids:
+    ``known_documents``); None finds out, at the cost of a host sync for ids on an accelerator."""
     if position_ids_BT.dim() != 2 or packed is False:
         return None
     starts_BT = position_ids_BT.diff(dim=1, prepend=position_ids_BT[:, :1] - 1) != 1

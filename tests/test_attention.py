@@ -20,7 +20,7 @@ from kernels.attention import (DenseMaskAttention, Documents, FlexAttention, Var
                                document_block_mask, document_cu_seqlens)
 from kernels.config import KernelConfig, validate_kernel_config
 from kernels.registry import CUDA_ATTENTION, Env, select_kernels
-from models.layers import document_ids
+from models.layers import document_ids, known_documents
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from training.metrics import attended_flops_per_token
 
@@ -222,8 +222,8 @@ class Recording(VarlenAttention):
         self.built: list[Documents] = []
         self.seen: list[Documents | None] = []
 
-    def documents(self, ids_BT: torch.Tensor) -> Documents:
-        self.built.append(super().documents(ids_BT))
+    def documents(self, ids_BT: torch.Tensor, known=None) -> Documents:
+        self.built.append(super().documents(ids_BT, known))
         return self.built[-1]
 
     def __call__(self, q_BHTd, k_BhTd, v_BhTd, docs, scale):
@@ -282,6 +282,19 @@ def test_bad_attention_config(cfg: KernelConfig, match: str) -> None:
 
 
 # --- the real kernels, on CUDA ------------------------------------------------------------------------------------
+
+def test_documents_the_host_knows_equal_the_ones_found_on_the_device() -> None:
+    """The trainer reads each window's offsets from its host copy (``known_documents``): every implementation then
+    builds the Documents it would have found, with no device read; unpacked rows are False."""
+    pos_BT = position_ids(LENGTHS)
+    known = known_documents(pos_BT, torch.device("cpu"))
+    assert known_documents(torch.arange(T).expand(2, T), torch.device("cpu")) is False
+    for attention in (DenseMaskAttention(), VarlenAttention(per_document_sdpa)):
+        found, told = (attention.documents(document_ids(pos_BT, packed), k) for packed, k in ((None, None),
+                                                                                              (known, known)))
+        assert torch.equal(found.ids_BT, told.ids_BT) and torch.equal(found.cu_seqlens_n1, told.cu_seqlens_n1)
+        assert found.max_len == told.max_len
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's varlen_attn, compiled flex)")
 @pytest.mark.parametrize("name", ["flex_attention", "varlen_attn"])

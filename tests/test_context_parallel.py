@@ -28,7 +28,7 @@ from torch.distributed._functional_collectives import all_gather_tensor
 import train
 from models import build_args, get_spec
 from models.hf_io import export_hf
-from models.layers import document_ids
+from models.layers import document_ids, known_documents
 from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, parallelize_model, resolve_sizes,
                           validate_parallel_config)
 from tests.conftest import compose_config, trained_tokens_per_rank, write_chats
@@ -250,8 +250,9 @@ def test_a_model_told_whether_rows_are_packed_computes_as_one_that_finds_out():
     with torch.no_grad():
         found = model(input_ids_BT, position_ids_BT).logits
         told = model(input_ids_BT, position_ids_BT, packed=True).logits
+        known = model(input_ids_BT, position_ids_BT, packed=known_documents(position_ids_BT, torch.device("cpu"))).logits
         unpacked = model(input_ids_BT, position_ids_BT, packed=False).logits  # what packed=False would misread
-    assert torch.equal(found, told) and not torch.allclose(found, unpacked)
+    assert torch.equal(found, told) and torch.equal(found, known) and not torch.allclose(found, unpacked)
 
 
 # ---------------------------------------------------------------------------------------------- without a spawn
