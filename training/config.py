@@ -54,7 +54,9 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
-    fused: bool | None = None  # None: fused AdamW on CUDA, foreach elsewhere (float32 state only)
+    # None: training.optim.AdamW on CUDA (Triton), torch's foreach elsewhere; true / false: torch's fused / foreach
+    # (float32 state only)
+    fused: bool | None = None
     # The AdamW moments' dtype: float32 (torch's AdamW) | bfloat16 (half the state, fp32 master weights and update:
     # training.optim.AdamW)
     state_dtype: str = "float32"
