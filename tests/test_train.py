@@ -177,3 +177,18 @@ def test_activation_checkpointing_from_the_first_forward_of_a_fresh_process(tmp_
          "data.seq_len=32", "train.steps=2", f"parallel.activation_checkpoint={mode}", f"train.output_dir={tmp_path}",
          f"data.cache_dir={tmp_path}", "logging.tensorboard=false"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_loop_waits_for_the_device_only_after_a_checkpoint_and_around_a_profile(tiny_run_config, monkeypatch):
+    """No device sync at the end of a step (the host logs and fetches the next batch while the device runs the
+    optimizer): over 6 steps with a checkpoint every 2 and a profiled window of steps 3-4, the loop waits for the
+    device after each checkpoint (steps 2, 4, 6) and at the window's start and end, nowhere else."""
+    from core import device
+
+    synced: list[str] = []
+    monkeypatch.setattr(device, "synchronize", lambda dev_type: synced.append(dev_type))
+    history = train.run(tiny_run_config("train.steps=6", "checkpoint.interval=2", "logging.profile_step=3",
+                                        "logging.profile_steps=2"))
+    assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6]
+    assert len(synced) == 3 + 2
+    assert all(m["step_time_s"] > 0 for m in history)
