@@ -83,13 +83,16 @@ def synchronize(dev_type: str) -> None:
         module(dev_type).synchronize()
 
 
+def queued_copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """The host tensor ``t`` on ``dev``. On an accelerator through pinned memory, so the copy is queued and the host
+    goes on: a copy from pageable memory would wait until the device has run everything queued before it (the
+    training loop fetches the next batch while the device still runs the previous step's optimizer)."""
+    return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
+
+
 def to_device(batch: dict[str, torch.Tensor], dev: torch.device) -> dict[str, torch.Tensor]:
-    """The host tensors of ``batch`` on ``dev``. On an accelerator through pinned memory, so each copy is queued and
-    the host goes on: a copy from pageable memory would wait until the device has run everything queued before it
-    (the training loop fetches the next batch while the device still runs the previous step's optimizer)."""
-    if dev.type == "cpu":
-        return dict(batch)
-    return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
+    """Every tensor of ``batch`` through ``queued_copy``."""
+    return {k: queued_copy(v, dev) for k, v in batch.items()}
 
 
 def time_ms(dev_type: str, step: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:

@@ -26,15 +26,15 @@ from typing import Callable, ClassVar, Mapping
 import torch
 import torch.nn as nn
 
-from core.device import to_device
+from core.device import queued_copy
 from kernels.attention import DenseMaskAttention, Documents, KnownDocuments, document_cu_seqlens
 from kernels.norm import rms_norm
 from kernels.rotary import apply_rotary, rotate_half
 from kernels.swiglu import packed_swiglu, swiglu
 
 # The references too: the families' slot defaults.
-__all__ = ["DenseMaskAttention", "Documents", "KnownDocuments", "RMSNorm", "apply_rotary", "document_cu_seqlens", "document_ids",
-           "known_documents", "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]
+__all__ = ["DenseMaskAttention", "Documents", "KnownDocuments", "RMSNorm", "apply_rotary", "document_cu_seqlens",
+           "document_ids", "known_documents", "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]
 
 
 class RMSNorm(nn.Module):
@@ -78,7 +78,7 @@ def known_documents(position_ids_BT: torch.Tensor, dev: torch.device) -> KnownDo
     if ids_BT is None:
         return False
     cu_seqlens_n1 = document_cu_seqlens(ids_BT)
-    return KnownDocuments(to_device({"cu": cu_seqlens_n1}, dev)["cu"], int(cu_seqlens_n1.diff().max()))
+    return KnownDocuments(queued_copy(cu_seqlens_n1, dev), int(cu_seqlens_n1.diff().max()))
 
 
 def document_ids(position_ids_BT: torch.Tensor, packed: bool | KnownDocuments | None = None) -> torch.Tensor | None:

@@ -18,8 +18,8 @@ checkpointing) reads the same copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch

@@ -250,7 +250,8 @@ def test_a_model_told_whether_rows_are_packed_computes_as_one_that_finds_out():
     with torch.no_grad():
         found = model(input_ids_BT, position_ids_BT).logits
         told = model(input_ids_BT, position_ids_BT, packed=True).logits
-        known = model(input_ids_BT, position_ids_BT, packed=known_documents(position_ids_BT, torch.device("cpu"))).logits
+        hint = known_documents(position_ids_BT, torch.device("cpu"))
+        known = model(input_ids_BT, position_ids_BT, packed=hint).logits
         unpacked = model(input_ids_BT, position_ids_BT, packed=False).logits  # what packed=False would misread
     assert torch.equal(found, told) and torch.equal(found, known) and not torch.allclose(found, unpacked)
 

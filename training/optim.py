@@ -27,7 +27,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     ]
     kind = adamw_kind(cfg, params[0].device.type)
     if kind == "project":
-        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=getattr(torch, cfg.state_dtype))
+        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                     state_dtype=getattr(torch, cfg.state_dtype))
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=kind == "torch_fused")
 
 
