@@ -151,14 +151,16 @@ class StepResult(NamedTuple):
     z_loss: float
     grad_norm: float
     updated: bool
-    routing_LX: torch.Tensor  # per MoE layer, the global batch's, on the host: see training.metrics.reduce_routing
+    # per MoE layer, the global batch's, on the host (training.metrics.reduce_routing); None where not asked for
+    routing_LX: torch.Tensor | None
 
 
 def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer: torch.optim.Optimizer,
                scheduler, cfg: TrainConfig, dims: parallelisms.ParallelDims, args: Any, autocast: torch.autocast,
-               update: bool) -> StepResult:
+               update: bool, routing: bool) -> StepResult:
     """Forward/backward over the micro-batches, clip, and (unless told not to, or non-finite) step: the
-    optimizer, the schedule and the routers' balancing biases (``args.router_bias_update_rate``)."""
+    optimizer, the schedule and the routers' balancing biases (``args.router_bias_update_rate``). ``routing``: also
+    bring the routing summary to the host (a step that logs it: one more small all-reduce under data parallelism)."""
     # Normalise by the global count of trained tokens so every layout optimises the same objective.
     num_tokens = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum().float()
     if dims.data_group is not None:
@@ -178,7 +180,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
     losses = torch.stack([ce_share, aux_share, z_share])
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
-    routing_host_LX = reduce_routing(routing_LX, dims.data_group)  # queued before the read below: complete after it
+    # Queued before the read below, so complete after it.
+    routing_host_LX = reduce_routing(routing_LX, dims.data_group) if routing else None
     loss, aux_loss, z_loss, norm = torch.cat([losses, grad_norm.reshape(1)]).tolist()  # the step's one host sync
     parallelisms.raise_if_dispatch_overflowed(model)  # dispatcher=capacity: a step that dropped rows is not applied
     finite = math.isfinite(loss) and math.isfinite(norm)
@@ -297,7 +300,9 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
                        for shard, window in zip(shards, windows)]
             data_time = time.perf_counter() - data_start  # host time, overlapping the previous step's optimizer
         lr = scheduler.get_last_lr()[0]
-        result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args, autocast, update=step > 0)
+        logs = StepLogs.at(step, cfg, last=step == steps[-1], evaluates=bool(val_batches))
+        result = train_step(model, batches, optimizer, scheduler, cfg, dims, model_args, autocast, update=step > 0,
+                            routing=logs.metrics or logs.routing)
         # No device sync at the end of a step: the host logs this step and fetches the next batch while the device
         # runs this step's optimizer. The step's one host read (after backward) paces the loop, so the time between
         # two steps' returns is a step's time; where the host did wait for the device (an eval, a checkpoint, the
@@ -307,11 +312,11 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         step_time, clock = now - clock, now
         tokens_total += tokens_per_step if step > 0 else 0
         metrics = step_metrics(step, result, lr, rates, attended, tokens_total, step_time, data_time, dev_type)
-        if val_batches and (step % cfg.train.eval_every == 0 or step == steps[-1]):
+        if logs.evaluate:
             metrics["val_loss"] = validation_loss(model, val_batches, dev, autocast, dims.data_group)
             waited = True
         history.append(metrics)
-        log_step(metrics, result, loader, metric_logger, cfg, dims, last=step == steps[-1],
+        log_step(metrics, result, logs, loader, metric_logger, cfg, dims,
                  eta=(time.perf_counter() - start) / done * (len(steps) - done))
         if stop.requested():
             stop.path = checkpoint(step)
@@ -552,19 +557,30 @@ def step_metrics(step: int, result: StepResult, lr: float, rates: Rates, attende
     }
 
 
-def log_step(metrics: dict[str, Any], result: StepResult, loader, metric_logger: MetricLogger, cfg: TrainConfig,
-             dims: parallelisms.ParallelDims, last: bool, eta: float) -> None:
-    """The step's metric line (every logging.log_every steps, the last, and an eval step), its routing record
-    (every logging.routing_every) and, for a skipped step, a warning."""
+class StepLogs(NamedTuple):
+    """What a step reports, known before it runs (so that a step that logs nothing fetches no routing summary)."""
+
+    evaluate: bool  # a validation loss: every train.eval_every steps and the last, with held-out data
+    metrics: bool  # the metric line: every logging.log_every steps, the last, and an eval step
+    routing: bool  # the routing record: every logging.routing_every steps
+
+    @classmethod
+    def at(cls, step: int, cfg: TrainConfig, last: bool, evaluates: bool) -> StepLogs:
+        evaluate = evaluates and (step % cfg.train.eval_every == 0 or last)
+        return cls(evaluate, step % cfg.logging.log_every == 0 or last or evaluate,
+                   cfg.logging.routing_every > 0 and step % cfg.logging.routing_every == 0)
+
+
+def log_step(metrics: dict[str, Any], result: StepResult, logs: StepLogs, loader, metric_logger: MetricLogger,
+             cfg: TrainConfig, dims: parallelisms.ParallelDims, eta: float) -> None:
+    """The step's metric line, its routing record (as ``logs`` says) and, for a skipped step, a warning."""
     step = metrics["step"]
     if metrics["skipped"] and dims.rank == 0:
         logger.warning("step %d skipped: loss=%s, grad_norm=%s: not finite, no update (train.nonfinite=skip)",
                        step, result.loss, result.grad_norm)
-    log_now = step % cfg.logging.log_every == 0 or last or "val_loss" in metrics
-    record_routing = cfg.logging.routing_every > 0 and step % cfg.logging.routing_every == 0
-    if record_routing:
+    if logs.routing:
         metric_logger.log_routing(step, result.routing_LX)
-    if log_now:
+    if logs.metrics:
         metrics.update(moe_metrics(result.routing_LX))
         metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
         metric_logger.log(metrics)

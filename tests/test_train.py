@@ -192,3 +192,19 @@ def test_the_loop_waits_for_the_device_only_after_a_checkpoint_and_around_a_prof
     assert [m["step"] for m in history] == [1, 2, 3, 4, 5, 6]
     assert len(synced) == 3 + 2
     assert all(m["step_time_s"] > 0 for m in history)
+
+
+def test_only_a_step_that_logs_brings_the_routing_summary_to_the_host(tiny_run_config, monkeypatch):
+    """The routing summary (an all-reduce under data parallelism, then a copy to the host) is fetched only on the
+    steps that log it: the metric line (every logging.log_every steps and the last) and the routing record (every
+    logging.routing_every); the metric lines still carry the MoE metrics."""
+    fetched: list[int] = []
+    reduce = train.reduce_routing
+    monkeypatch.setattr(train, "reduce_routing", lambda routing_LX, group: fetched.append(1) or reduce(routing_LX,
+                                                                                                     group))
+    lines: list[dict] = []
+    monkeypatch.setattr(train.MetricLogger, "log", lambda self, metrics: lines.append(metrics))
+    train.run(tiny_run_config("train.steps=7", "logging.log_every=3", "logging.routing_every=2"))
+    assert [m["step"] for m in lines] == [3, 6, 7]
+    assert all("moe/max_imbalance" in m for m in lines)
+    assert len(fetched) == len({3, 6, 7} | {2, 4, 6})  # steps 2, 3, 4, 6, 7
