@@ -291,13 +291,14 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         with torch.profiler.record_function("data"):
             data_start = time.perf_counter()
             windows = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
-            # This rank's whole sequences (before the cp split): the attention pairs its dp slice computes.
-            attended = sum(attended_flops_per_token(model_args, w["position_ids"]) for w in windows) / len(windows)
+            # Whether a window is packed, and its documents' offsets, read here on the host from this rank's whole
+            # sequences (before the cp split): the forward then asks the device nothing (a read that would wait for
+            # the step before to finish before it could queue), and the attended FLOPs count the same documents.
+            packed = [known_documents(window["position_ids"], dev) for window in windows]
+            attended = sum(attended_flops_per_token(model_args, known, tuple(window["input_ids"].shape))
+                           for known, window in zip(packed, windows)) / len(windows)
             shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
-            # Whether a window is packed, and its documents' offsets, read here on the host: the forward then asks
-            # the device nothing (a read that would wait for the step before to finish before it could queue).
-            batches = [{**device.to_device(shard, dev), "packed": known_documents(window["position_ids"], dev)}
-                       for shard, window in zip(shards, windows)]
+            batches = [{**device.to_device(shard, dev), "packed": known} for shard, known in zip(shards, packed)]
             data_time = time.perf_counter() - data_start  # host time, overlapping the previous step's optimizer
         lr = scheduler.get_last_lr()[0]
         logs = StepLogs.at(step, cfg, last=step == steps[-1], evaluates=bool(val_batches))

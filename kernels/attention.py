@@ -53,6 +53,7 @@ class KnownDocuments:
 
     cu_seqlens_n1: Tensor  # document_cu_seqlens of the batch, on the batch's device
     max_len: int  # the longest document
+    lengths_n: Tensor  # every document's length, on the host (the attended-FLOPs metric)
 
 
 def document_cu_seqlens(ids_BT: Tensor) -> Tensor:

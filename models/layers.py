@@ -78,7 +78,8 @@ def known_documents(position_ids_BT: torch.Tensor, dev: torch.device) -> KnownDo
     if ids_BT is None:
         return False
     cu_seqlens_n1 = document_cu_seqlens(ids_BT)
-    return KnownDocuments(queued_copy(cu_seqlens_n1, dev), int(cu_seqlens_n1.diff().max()))
+    lengths_n = cu_seqlens_n1.diff()
+    return KnownDocuments(queued_copy(cu_seqlens_n1, dev), int(lengths_n.max()), lengths_n)
 
 
 def document_ids(position_ids_BT: torch.Tensor, packed: bool | KnownDocuments | None = None) -> torch.Tensor | None:

@@ -324,6 +324,11 @@ def test_mask_dtype_sanity() -> None:
 
 # --- accounting ---------------------------------------------------------------------------------------------------
 
+def attended_documents(lengths: list[list[int]]):
+    """The trainer's ``packed`` for rows of these document lengths."""
+    return known_documents(position_ids(lengths), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attended_flops_count_each_documents_causal_half(family: str) -> None:
     args = models.build_args(family, FAMILIES[family])
@@ -332,11 +337,16 @@ def test_attended_flops_count_each_documents_causal_half(family: str) -> None:
     per_pair = 12 * attention_layers * args.num_attention_heads * args.head_dim  # scores and values, fwd + bwd
     assert args.flops_per_token(1) - base == per_pair
     # lengths 3, 1 | 4: (9 + 1 + 16) / 2 attended pairs over 8 tokens
-    got = attended_flops_per_token(args, position_ids([[3, 1], [4]]))
+    got = attended_flops_per_token(args, attended_documents([[3, 1], [4]]), (2, 4))
     assert got == pytest.approx(base + per_pair * 26 / 2 / 8)
+    # Multimodal [3, B, T] ids: one document per row, as the model attends them, whatever row 0's jumps.
+    mrope_3BT = position_ids([[3, 1], [4]]).expand(3, 2, 4)
+    assert known_documents(mrope_3BT, torch.device("cpu")) is False
+    assert attended_flops_per_token(args, False, (2, 4)) == pytest.approx(base + per_pair * 32 / 2 / 8)
     # A 32k window of 2,048-token documents attends 1/16 of one causal 32k sequence's pairs, which is half of what
     # the headline flops_per_token counts (torchtitan's convention: no causal halving).
-    packed = attended_flops_per_token(args, position_ids([[2048] * 16]))
-    causal = attended_flops_per_token(args, torch.arange(32768)[None])
+    packed = attended_flops_per_token(args, attended_documents([[2048] * 16]), (1, 32768))
+    causal = attended_flops_per_token(args, known_documents(torch.arange(32768)[None], torch.device("cpu")),
+                                      (1, 32768))
     assert (packed - base) * 16 == pytest.approx(causal - base)
     assert (causal - base) * 2 == pytest.approx(args.flops_per_token(32768) - base)

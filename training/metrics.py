@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.layers import document_cu_seqlens, document_ids
+from models.layers import KnownDocuments
 from models.moe import RouterStats
 from core.files import atomic_write_text
 from training.config import LoggingConfig
@@ -189,18 +189,17 @@ def _hms(seconds: float) -> str:
 ROUTING_EXTRA = 3  # the columns of routing_summary after the 2E per-expert ones: entropy sum, z sum, token count
 
 
-def attended_flops_per_token(args: Any, position_ids: torch.Tensor) -> float:
+def attended_flops_per_token(args: Any, packed: KnownDocuments | bool, shape_BT: tuple[int, int]) -> float:
     """Training FLOPs per token of the attention pairs actually computed (docs/benchmarks.md, "Attended FLOPs"): the
     model's ``flops_per_token`` with its attention term (linear in the sequence length: ``flops_per_token(1) -
     flops_per_token(0)`` per attended pair) counted over each document's causal half, sum n^2 / 2 over the documents
-    of ``position_ids`` (a row without restarts is one document; multimodal [3, B, T] ids, one per row)."""
+    the model is told of (``packed``, as ``models.layers.known_documents`` gives it; False: each of the B rows of
+    ``shape_BT`` is one document)."""
     base = args.flops_per_token(0)
     per_pair = args.flops_per_token(1) - base
-    rows_BT = position_ids if position_ids.dim() == 2 else position_ids[0]
-    ids_BT = document_ids(rows_BT)
-    lengths_n = (document_cu_seqlens(ids_BT).diff() if ids_BT is not None
-                 else torch.full((rows_BT.shape[0],), rows_BT.shape[1]))
-    return base + per_pair * lengths_n.double().square().sum().item() / 2 / rows_BT.numel()
+    rows, seq_len = shape_BT
+    lengths_n = packed.lengths_n if packed else torch.full((rows,), seq_len)
+    return base + per_pair * lengths_n.double().square().sum().item() / 2 / (rows * seq_len)
 
 
 def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
