@@ -93,6 +93,20 @@ def _register_torch_dqkwg() -> None:
     register("common")(TorchDqkwgBackend)
 
 
+def causal_conv1d_silu() -> Callable:
+    """FLA's Triton short convolution with its silu fused (``kernels/short_conv.py``'s signature): packed documents
+    run as FLA's variable-length sequences of a batch of one (``cu_seqlens``), as the delta rule takes them."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    def conv(x_BTF, w_FW, docs):
+        if docs is None:
+            return causal_conv1d(x_BTF, w_FW, activation="silu")[0]
+        y_1NF, _ = causal_conv1d(x_BTF.flatten(0, 1)[None], w_FW, activation="silu", cu_seqlens=docs.cu_seqlens_n1)
+        return y_1NF.view_as(x_BTF)
+
+    return conv
+
+
 def fused_recurrent_gated_delta_rule() -> Callable:
     """Forward only: FLA's recurrent kernel has no backward (the model uses it only without autograd)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent

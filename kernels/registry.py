@@ -42,6 +42,7 @@ from kernels.norm import gated_rms_norm, offset_rms_norm, rms_norm
 from kernels.permute import (gather_sum_torch, moe_token_permute_torch, moe_token_unpermute_torch,
                              unpermute_backward_torch)
 from kernels.rotary import apply_rotary
+from kernels.short_conv import causal_conv1d_silu
 from kernels.swiglu import packed_swiglu, swiglu
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
@@ -216,6 +217,9 @@ OPS: dict[str, OpSpec] = {
     "fused_recurrent_gated_delta_rule": OpSpec(
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
+    # DeltaNet's short convolution and silu; CUDA only (FLA's Triton kernel is untried under triton-ascend here).
+    "causal_conv1d_silu": OpSpec(
+        FLA, lambda cfg: causal_conv1d_silu, (Impl(FLA, ("cuda",), lambda cfg: fla.causal_conv1d_silu(), _needs_fla),)),
     # The dispatch path. The K-to-one steps of the torch permutes (the EP dispatchers' gathers):
     "gather_sum": _dispatch(gather_sum_torch, _triton_permute("gather_sum")),
     "unpermute_backward": _dispatch(unpermute_backward_torch, _triton_permute("unpermute_backward")),

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.attention import DenseMaskAttention, causal_sdpa  # noqa: E402
+from kernels.attention import DenseMaskAttention, Documents, causal_sdpa  # noqa: E402
 from kernels.config import FLA_OPS, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, validate_kernel_config  # noqa: E402
 from kernels.registry import OPS, select_kernels  # noqa: E402
 from core import device  # noqa: E402
@@ -109,6 +109,23 @@ def _packed_delta_inputs(gen: torch.Generator, dev: torch.device, T: int) -> Inp
 def _delta_call(fn: Callable, t: Inputs) -> torch.Tensor:
     return fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], use_qk_l2norm_in_kernel=True,
               cu_seqlens=t.get("cu_seqlens"))[0]
+
+
+def _conv_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int, packed: bool) -> Inputs:
+    """DeltaNet's conv input [B, T, F] (F = 2 x 16 x 128 + 32 x 128 channels [q | k | v]) and taps [F, 4]; packed:
+    documents of 1 to 1500 tokens in rows of T, with their ids and the flattened batch's cu_seqlens."""
+    t = {"x": _randn(gen, dev, B, T, 8192), "w": _randn(gen, dev, 8192, 4, scale=0.5)}
+    if packed:
+        ends = torch.randint(1, 1500, (B * T,), generator=gen, device=dev).cumsum(0)
+        starts = torch.cat([ends.new_zeros(1), ends[ends < B * T], torch.arange(T, B * T, T, device=dev)]).unique()
+        t["cu_seqlens"] = torch.cat([starts, starts.new_full((1,), B * T)])
+        t["ids"] = torch.zeros(B * T, dtype=torch.long, device=dev).index_fill_(0, starts, 1).cumsum(0).view(B, T)
+    return t
+
+
+def _conv_call(fn: Callable, t: Inputs) -> torch.Tensor:
+    docs = Documents(t["ids"], t["cu_seqlens"]) if "ids" in t else None
+    return fn(t["x"], t["w"], docs)
 
 
 def _ce_labels(logits: torch.Tensor) -> torch.Tensor:
@@ -325,6 +342,10 @@ CASES: dict[str, list[Case]] = {
                                     _delta_call, TOL_DELTA_RULE),
                                Case("qwen3.5 packed docs 8192", lambda gen, dev: _packed_delta_inputs(gen, dev, 8192),
                                     _delta_call, TOL_DELTA_RULE)],
+    "causal_conv1d_silu": [Case("qwen3.5 4 x 4096", lambda gen, dev: _conv_inputs(gen, dev, 4, 4096, False),
+                                _conv_call, TOL_ELEMENTWISE),
+                           Case("qwen3.5 packed docs 4 x 4096", lambda gen, dev: _conv_inputs(gen, dev, 4, 4096, True),
+                                _conv_call, TOL_ELEMENTWISE)],
     # FLA's recurrent kernel has no backward; the model uses it only without autograd, on short sequences.
     "fused_recurrent_gated_delta_rule": [Case("qwen3.5 8 x 64", lambda gen, dev: _delta_inputs(gen, dev, 8, 64),
                                               _delta_call, TOL_DELTA_RULE, backward=False)],

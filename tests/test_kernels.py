@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 import kernels.permute as permute
 import models
 from kernels import fla, installed, npu_moe
-from kernels.config import FLA_OPS, KernelConfig, validate_kernel_config
+from kernels.config import DEFAULT_FLA_OPS, FLA_OPS, KernelConfig, validate_kernel_config
 from kernels.grouped_mm import per_group_mm
 from kernels.registry import INSTALLED_OPS, OPS, SLOT_OPS, Env, apply_kernels, installed_kernels, select_kernels
 from models.moe import GroupedExperts, compute_experts
@@ -94,7 +94,7 @@ def test_presets_are_valid(preset: str, name: str) -> None:
                              OmegaConf.load(ROOT / "conf" / "kernel_config" / f"{preset}.yaml"))
     cfg = OmegaConf.to_object(merged)
     validate_kernel_config(cfg)
-    assert cfg.name == name and cfg.chunk_size == 64 and cfg.include_kernels == list(FLA_OPS)
+    assert cfg.name == name and cfg.chunk_size == 64 and cfg.include_kernels == list(DEFAULT_FLA_OPS)
 
 
 # --- selection ----------------------------------------------------------------------------------------------------
@@ -162,6 +162,20 @@ def test_only_the_included_fla_kernels_are_installed() -> None:
     assert chosen["fused_recurrent_gated_delta_rule"].impl == "flash-linear-attention"
     assert chosen["chunk_gated_delta_rule"].impl == "torch"
     assert all(chosen[op].impl == "torch" for op in AUTO_OPS)  # auto not requested
+
+
+def test_fla_short_convolution_runs_only_when_listed_and_only_on_cuda() -> None:
+    """Not yet measured on a GPU, so not among the default FLA ops; listed, it is FLA's on CUDA, and an NPU run
+    that lists it is refused (no silent torch), naming the op."""
+    env = Env("cuda", triton_version="3.7.1", capability=(9, 0), fla_version="0.6.0")
+    default = select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", env).choices
+    assert default["causal_conv1d_silu"].impl == "torch"
+    assert default["causal_conv1d_silu"].reason == "not in kernel_config.include_kernels"
+    listed = KernelConfig(name="auto,flash-linear-attention", include_kernels=list(FLA_OPS))
+    assert select_kernels(listed, "cuda", env).choices["causal_conv1d_silu"].impl == "flash-linear-attention"
+    npu = Env("npu", triton_version="3.2.0", fla_version="0.6.0", has_torch_npu=True)
+    with pytest.raises(ValueError, match="causal_conv1d_silu, which cannot run on npu.*cuda only"):
+        select_kernels(listed, "npu", npu)
 
 
 def test_cuda_without_triton_uses_torch() -> None:

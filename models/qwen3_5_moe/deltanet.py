@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.short_conv import causal_conv1d_silu
 from models.footprint import LayerActivations, SequenceExchange
 from models.layers import Documents
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
@@ -21,21 +22,7 @@ from models.qwen3_5_moe.layers import GatedRMSNorm
 from models.sequence_ops import Heads, HeadWeights, Passed, SequenceOp
 
 DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # chunk_gated_delta_rule's signature
-
-
-def causal_conv1d(x_BTF: torch.Tensor, w_FW: torch.Tensor, doc_ids_BT: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal convolution ``y_t = sum_j w[:, W-1-j] * x_{t-j}`` over a window of W taps, with only the
-    taps inside t's document when ``doc_ids_BT`` is given (a document's window starts empty, as in a row of its own)."""
-    T, W = x_BTF.shape[1], w_FW.shape[1]
-    if doc_ids_BT is None:
-        # Padded on both sides by W - 1 and cut to the first T outputs, which makes it causal.
-        y_BFT = F.conv1d(x_BTF.transpose(1, 2), w_FW[:, None], padding=W - 1, groups=w_FW.shape[0])
-        return y_BFT[..., :T].transpose(1, 2)
-    y_BTF = x_BTF * w_FW[:, W - 1]
-    for j in range(1, W):  # tap j reads the token j back, if it is in the same document
-        same_BT = F.pad((doc_ids_BT[:, j:] == doc_ids_BT[:, :-j]).to(x_BTF.dtype), (j, 0))[:, :T]
-        y_BTF = y_BTF + F.pad(x_BTF, (0, 0, j, 0))[:, :T] * w_FW[:, W - 1 - j] * same_BT[..., None]
-    return y_BTF
+ShortConv = Callable[[torch.Tensor, torch.Tensor, Documents | None], torch.Tensor]  # causal_conv1d_silu's
 
 
 class GatedDeltaNet(nn.Module):
@@ -44,12 +31,14 @@ class GatedDeltaNet(nn.Module):
     out = out_proj(norm(o, z = in_proj_z x)).
 
     ``self.delta_rule`` has ``chunk_gated_delta_rule``'s signature: the torch reference by default; a kernel
-    registry may set a device kernel (e.g. flash-linear-attention's) or another chunk size per module.
+    registry may set a device kernel (e.g. flash-linear-attention's) or another chunk size per module; likewise
+    ``self.short_conv`` (``kernels.short_conv.causal_conv1d_silu``).
     ``self.recurrent_delta_rule`` (the token-by-token form) serves short sequences evaluated without autograd.
     """
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"delta_rule": "chunk_gated_delta_rule",
-                                                 "recurrent_delta_rule": "fused_recurrent_gated_delta_rule"}
+                                                 "recurrent_delta_rule": "fused_recurrent_gated_delta_rule",
+                                                 "short_conv": "causal_conv1d_silu"}
     # q, k [B, t, h, k] (h heads shared by the value heads), v [B, t, H, v], g and beta [B, t, H], the conv taps of
     # q, k and v [heads, ., W] (whole), the documents whole; the output [B, t, H, v].
     sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"core_delta_rule": SequenceOp(
@@ -71,7 +60,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
-        # Depthwise and causal (see causal_conv1d); the module holds the weight under transformers' name.
+        # Depthwise and causal (kernels/short_conv.py); the module holds the weight under transformers' name.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=args.linear_conv_kernel_dim, groups=conv_dim,
                                 padding=args.linear_conv_kernel_dim - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
@@ -80,6 +69,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, D, bias=False)
         self.delta_rule: DeltaRule = functools.partial(chunk_gated_delta_rule, chunk_size=64)
         self.recurrent_delta_rule: DeltaRule = recurrent_gated_delta_rule
+        self.short_conv: ShortConv = causal_conv1d_silu
 
     def forward(self, x_BTD: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -106,7 +96,7 @@ class GatedDeltaNet(nn.Module):
         H, dv = v_BTHv.shape[2:]
         qkv_BTF = torch.cat([x.flatten(2) for x in (q_BThk, k_BThk, v_BTHv)], dim=-1)
         w_FW = torch.cat([w.flatten(0, 1) for w in conv_weights])
-        q_BTF, k_BTF, v_BTF = F.silu(causal_conv1d(qkv_BTF, w_FW, None if docs is None else docs.ids_BT)).split([h * dk, h * dk, H * dv], dim=-1)
+        q_BTF, k_BTF, v_BTF = self.short_conv(qkv_BTF, w_FW, docs).split([h * dk, h * dk, H * dv], dim=-1)
         q_BThk, k_BThk, v_BTHv = q_BTF.reshape(B, T, h, dk), k_BTF.reshape(B, T, h, dk), v_BTF.reshape(B, T, H, dv)
         recurrent = T <= self.max_recurrent_len and not self.training and not torch.is_grad_enabled()
         rule = self.recurrent_delta_rule if recurrent else self.delta_rule
