@@ -136,12 +136,19 @@ def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
     raise AssertionError(f"training did not reach step {n} (exit code {proc.poll()})")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_run_resumes_step_for_step(tmp_path, sig):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, list]:
+    """The token file and the losses of the run that no signal interrupts, shared by both signals' tests."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
     data = write_tokens(tmp_path / "tokens.npy", 4096)
     reference = subprocess.run(_train_cli(tmp_path / "ref", data), cwd=REPO, capture_output=True, text=True)
     assert reference.returncode == 0, reference.stderr[-2000:]
+    return data, losses(read_metrics(tmp_path / "ref"))
 
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_step_for_step(tmp_path, uninterrupted, sig):
+    data, reference_losses = uninterrupted
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(_train_cli(run_dir, data), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -159,4 +166,4 @@ def test_killed_run_resumes_step_for_step(tmp_path, sig):
     resumed = subprocess.run(_train_cli(run_dir, data, "train.resume=auto"), cwd=REPO, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr + resumed.stdout
-    assert losses(read_metrics(run_dir)) == losses(read_metrics(tmp_path / "ref"))
+    assert losses(read_metrics(run_dir)) == reference_losses
