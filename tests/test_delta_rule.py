@@ -127,3 +127,41 @@ def test_packed_sequences_run_in_one_pass_as_one_call_each(chunk_size: int) -> N
         torch.testing.assert_close(final, torch.cat(finals), rtol=1e-5, atol=1e-5)
         for a, b in zip(packed[:5 + with_state], single[:5 + with_state]):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_deltanet_takes_the_projection_whole_and_trains_as_with_the_concatenation(monkeypatch) -> None:
+    """Without CP the conv takes in_proj_qkv's output itself (``tiled_base``: no concatenation copy, no split
+    concatenation in backward); output and every gradient equal the concatenating path's, packed documents too."""
+    from kernels.attention import DenseMaskAttention
+    from models import build_args
+    from models.layers import document_ids
+    from models.qwen3_5_moe import deltanet
+    from tests.test_kernels import QWEN35
+
+    torch.manual_seed(0)
+    layer = deltanet.GatedDeltaNet(build_args("qwen3_5_moe", QWEN35))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 40, QWEN35["hidden_size"])
+    pos = torch.cat([torch.arange(7), torch.arange(1), torch.arange(32)]).expand(2, 40)
+    taken = []
+    tiled = deltanet.tiled_base
+
+    def spy(parts):
+        taken.append(tiled(parts) is not None)
+        return tiled(parts)
+
+    def run(docs):
+        layer.zero_grad()
+        out = layer(x, docs)
+        out.square().sum().backward()
+        return [out.detach(), *(p.grad.clone() for p in layer.parameters())]
+
+    for docs in (None, DenseMaskAttention().documents(document_ids(pos))):
+        monkeypatch.setattr(deltanet, "tiled_base", spy)
+        whole = run(docs)
+        monkeypatch.setattr(deltanet, "tiled_base", lambda parts: None)
+        concatenated = run(docs)
+        for a, b in zip(whole, concatenated):
+            assert torch.equal(a, b)
+    assert taken == [True, True]

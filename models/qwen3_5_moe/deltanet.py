@@ -25,6 +25,26 @@ DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # chunk_gat
 ShortConv = Callable[[torch.Tensor, torch.Tensor, Documents | None], torch.Tensor]  # causal_conv1d_silu's
 
 
+def tiled_base(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The contiguous [B, T, F] tensor whose last dim ``parts`` ([B, T, ...] each) tile in order, when they are its
+    views: ``in_proj_qkv``'s output, which forward splits into q | k | v for the sequence op's sake. Taking it whole
+    saves concatenating the parts again (a copy) and, in backward, the split's concatenation of their gradients.
+    None otherwise: CP's all-to-all hands the op tensors of their own. (Under torch.compile too, which fuses the
+    concatenation instead.)"""
+    if torch.compiler.is_compiling():
+        return None
+    base = parts[0]._base
+    if base is None or not base.is_contiguous() or base.dim() != 3:
+        return None
+    offset = base.storage_offset()
+    for part in parts:
+        if part._base is not base or part.storage_offset() != offset or part.stride()[:2] != base.stride()[:2] \
+                or not part[0, 0].is_contiguous():
+            return None
+        offset += part[0, 0].numel()
+    return base if offset - base.storage_offset() == base.shape[-1] else None
+
+
 class GatedDeltaNet(nn.Module):
     """in_proj_qkv -> depthwise causal conv (silu) -> q, k, v; beta = sigmoid(in_proj_b x);
     g = -exp(A_log) * softplus(in_proj_a x + dt_bias); o = delta_rule(l2norm q, l2norm k, v, g, beta);
@@ -94,7 +114,9 @@ class GatedDeltaNet(nn.Module):
         Packed documents run as FLA's variable-length sequences (``cu_seqlens``, a batch of one)."""
         B, T, h, dk = q_BThk.shape
         H, dv = v_BTHv.shape[2:]
-        qkv_BTF = torch.cat([x.flatten(2) for x in (q_BThk, k_BThk, v_BTHv)], dim=-1)
+        qkv_BTF = tiled_base((q_BThk, k_BThk, v_BTHv))
+        if qkv_BTF is None:
+            qkv_BTF = torch.cat([x.flatten(2) for x in (q_BThk, k_BThk, v_BTHv)], dim=-1)
         w_FW = torch.cat([w.flatten(0, 1) for w in conv_weights])
         q_BTF, k_BTF, v_BTF = self.short_conv(qkv_BTF, w_FW, docs).split([h * dk, h * dk, H * dv], dim=-1)
         q_BThk, k_BThk, v_BTHv = q_BTF.reshape(B, T, h, dk), k_BTF.reshape(B, T, h, dk), v_BTF.reshape(B, T, H, dv)
