@@ -52,8 +52,12 @@ class KnownDocuments:
     before the batch goes to the device): ``documents`` then reads nothing back from the device."""
 
     cu_seqlens_n1: Tensor  # document_cu_seqlens of the batch, on the batch's device
-    max_len: int  # the longest document
-    lengths_n: Tensor  # every document's length, on the host (the attended-FLOPs metric)
+    lengths_n: Tensor  # every document's length, on the host
+
+    @property
+    def max_len(self) -> int:
+        """The longest document (varlen attention's launch bound), from the host copy: no device read."""
+        return int(self.lengths_n.max())
 
 
 def document_cu_seqlens(ids_BT: Tensor) -> Tensor:

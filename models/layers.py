@@ -73,13 +73,12 @@ def rotary_cos_sin(
 
 def known_documents(position_ids_BT: torch.Tensor, dev: torch.device) -> KnownDocuments | bool:
     """The ``packed`` a forward on ``dev`` takes, from the host copy of a batch's position ids: False (one document
-    per row) or the documents' offsets, queued to ``dev`` (no wait), and their longest length."""
+    per row) or the documents' offsets, queued to ``dev`` (no wait), and their lengths."""
     ids_BT = document_ids(position_ids_BT)
     if ids_BT is None:
         return False
     cu_seqlens_n1 = document_cu_seqlens(ids_BT)
-    lengths_n = cu_seqlens_n1.diff()
-    return KnownDocuments(queued_copy(cu_seqlens_n1, dev), int(lengths_n.max()), lengths_n)
+    return KnownDocuments(queued_copy(cu_seqlens_n1, dev), cu_seqlens_n1.diff())
 
 
 def document_ids(position_ids_BT: torch.Tensor, packed: bool | KnownDocuments | None = None) -> torch.Tensor | None:
