@@ -167,6 +167,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
         dist.all_reduce(num_tokens, group=dims.data_group)
     num_tokens = num_tokens.clamp(min=1.0)
     ce_share = aux_share = z_share = routing_LX = 0.0
+    summarise = routing or args.router_bias_update_rate > 0  # the summary's readers: the logs, the bias update
     for batch in batches:
         with autocast:
             out = model(batch["input_ids"], batch["position_ids"], batch["labels"], packed=batch["packed"])
@@ -175,7 +176,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
                                                                          dims.data_group))
         ((ce + args.router_aux_loss_coef * aux + args.router_z_loss_coef * z) * dims.grad_scale).backward()
         ce_share, aux_share, z_share = ce_share + ce.detach(), aux_share + aux.detach(), z_share + z.detach()
-        routing_LX = routing_LX + routing_summary(out.router_stats)
+        if summarise:
+            routing_LX = routing_LX + routing_summary(out.router_stats)
     grad_norm = parallelisms.grad_norm(model, dims)  # clipped below, once the host has the norm
     losses = torch.stack([ce_share, aux_share, z_share])
     if dims.data_group is not None:
