@@ -284,8 +284,6 @@ def test_bad_attention_config(cfg: KernelConfig, match: str) -> None:
         validate_kernel_config(cfg)
 
 
-# --- the real kernels, on CUDA ------------------------------------------------------------------------------------
-
 def test_documents_the_host_knows_equal_the_ones_found_on_the_device() -> None:
     """The trainer reads each window's offsets from its host copy (``known_documents``): every implementation then
     builds the Documents it would have found, with no device read; unpacked rows are False."""
@@ -298,6 +296,8 @@ def test_documents_the_host_knows_equal_the_ones_found_on_the_device() -> None:
         assert torch.equal(found.ids_BT, told.ids_BT) and torch.equal(found.cu_seqlens_n1, told.cu_seqlens_n1)
         assert found.max_len == told.max_len
 
+
+# --- the real kernels, on CUDA ------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's varlen_attn, compiled flex)")
 @pytest.mark.parametrize("name", ["flex_attention", "varlen_attn"])
