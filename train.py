@@ -262,7 +262,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
                               enabled=mixed_bf16(cfg, dev_type) and cfg.parallel.backend.name == "ddp")
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
     stop = StopSignal(dims, dev)
-    profiler = StepProfiler(run_dir.path, cfg.logging.profile_step, cfg.logging.profile_steps, dims.rank, dev_type)
+    profiler = StepProfiler(run_dir.path, cfg.logging.profile_step, cfg.logging.profile_steps, dims.rank, dev_type,
+                           cfg.logging.profile_host)
     gc_off = ManualGC(cfg.train.gc_every)
 
     def checkpoint(step: int) -> Path:

@@ -56,41 +56,75 @@ def chunk_gated_delta_rule(chunk_size: int) -> Callable:
     return functools.partial(fla_chunk, chunk_size=chunk_size)
 
 
-def chunk_gated_delta_rule_torch_dqkwg(chunk_size: int) -> Callable:
-    """FLA's chunked delta rule with its one broken backward step (#640) computed by ``kernels/fla_dqkwg.py``.
+def wide_dqkwg_tiles(head_k: int, head_v: int) -> bool:
+    """Whether FLA's Hopper launch of ``chunk_bwd_dqkwg`` tiles both head dims 128 wide (it tiles ``min(2^ceil(log2
+    d), 128)``): FLA #640's bisection on Hopper with the bad Tritons found only 64-wide tiles wrong (32 and 128
+    right), and FLA's own kernel at 128 matched the torch step on an H200 with triton 3.6 (docs/kernels.md)."""
+    return head_k > 64 and head_v > 64
 
-    FLA dispatches ``chunk_bwd_dqkwg`` through its backend registry (``fla.backends``, as it does for its TileLang
-    replacement of this very step): registering a backend of ours there swaps that step alone, in this process,
-    and every other FLA kernel, forward and backward, still runs."""
-    _register_torch_dqkwg()
+
+def chunk_gated_delta_rule_hopper_safe(chunk_size: int) -> Callable:
+    """FLA's chunked delta rule on Hopper with the Tritons of FLA #640, which miscompile its ``chunk_bwd_dqkwg``
+    backward step at 64-wide tiles: that step runs FLA's own kernel where both head dims tile 128 wide, else
+    ``kernels/fla_dqkwg.py`` in torch.
+
+    FLA refuses its kernel on these Tritons whatever the tile, so the step goes through FLA's backend registry
+    (``fla.backends``, as FLA's TileLang replacement of this very step does): a backend of ours swaps that step
+    alone, in this process, and every other FLA kernel, forward and backward, still runs as FLA's."""
+    _register_hopper_dqkwg()
     return chunk_gated_delta_rule(chunk_size)
 
 
+def _launch_wide_dqkwg(q, k, v, do, h, dh, w, g, dv, scale, cu_seqlens, chunk_size, chunk_indices):
+    """FLA's ``chunk_bwd_dqkwg`` (fla/ops/common/chunk_o.py) with its tiles fixed at 128: its launch, less the
+    #640 refusal. Only for head dims that ``wide_dqkwg_tiles`` accepts (one code path with the Hopper one)."""
+    import torch
+    import triton
+    from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
+
+    B, T, H, K, V, J = *k.shape, v.shape[-1], v.shape[2]
+    num_chunks = triton.cdiv(T, chunk_size) if cu_seqlens is None else len(chunk_indices)
+    BK = BV = 128
+    NK = triton.cdiv(K, BK)
+    dq, dk = q.new_empty(B, T, J, K), k.new_empty(B, T, J, K)
+    dg = torch.empty(NK, *g.shape, dtype=torch.float32, device=g.device)
+    dw = torch.empty_like(w)
+    chunk_bwd_kernel_dqkwg[(NK * num_chunks, B * J)](
+        q=q, k=k, v=v, g=g, g_gamma=None, h=h, do=do, dh=dh, dq=dq, dk=dk, dw=dw, dv=dv, dg=dg,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, B=B, T=T, H=H, HV=J, K=K, V=V,
+        BT=chunk_size, BK=BK, BV=BV, STATE_V_FIRST=False)
+    if H != J:  # a q/k head's gradient sums over the value heads it serves
+        dq, dk = dq.view(B, T, H, J // H, K).sum(3), dk.view(B, T, H, J // H, K).sum(3)
+    return dq, dk, dw, dg.sum(0)
+
+
 @functools.cache
-def _register_torch_dqkwg() -> None:
+def _register_hopper_dqkwg() -> None:
     from fla.backends import BaseBackend, register
     from fla.ops.utils.index import prepare_chunk_indices
 
     from kernels import fla_dqkwg
 
-    class TorchDqkwgBackend(BaseBackend):
-        backend_type = "qwen_moe_torch_dqkwg"
+    class HopperDqkwgBackend(BaseBackend):
+        backend_type = "qwen_moe_hopper_dqkwg"
         priority = 0  # before FLA's own choices (TileLang, where installed): this is what the registry chose
 
         def chunk_bwd_dqkwg_verifier(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None,
                                      state_v_first=False, **kwargs) -> tuple[bool, str | None]:
             if g is None or g_gamma is not None or w is None or dv is None or state_v_first:
-                return False, "only the gated delta rule's step (g, w, dv; state_v_first=False) is written in torch"
+                return False, "only the gated delta rule's step (g, w, dv; state_v_first=False) is handled here"
             return True, None
 
         def chunk_bwd_dqkwg(self, q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None,
                             state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None):
             if cu_seqlens is not None and chunk_indices is None:
                 chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
-            return fla_dqkwg.chunk_bwd_dqkwg(q, k, v, do, h, dh, w, g, dv, k.shape[-1] ** -0.5 if scale is None
-                                             else scale, cu_seqlens, chunk_size, chunk_indices)
+            step = (_launch_wide_dqkwg if wide_dqkwg_tiles(k.shape[-1], v.shape[-1])
+                    else fla_dqkwg.chunk_bwd_dqkwg)
+            return step(q, k, v, do, h, dh, w, g, dv, k.shape[-1] ** -0.5 if scale is None else scale,
+                        cu_seqlens, chunk_size, chunk_indices)
 
-    register("common")(TorchDqkwgBackend)
+    register("common")(HopperDqkwgBackend)
 
 
 def causal_conv1d_silu() -> Callable:

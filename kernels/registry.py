@@ -102,6 +102,9 @@ class OpSpec:
     slot: bool = True  # a model kernel slot; False: called by a kernel function, installed in kernels.installed
     # A KernelConfig field that may name one implementation (or torch); auto: the first that can run.
     config_key: str | None = None
+    # On a device type the plugin has no kernel of this op for, its torch reference runs (logged) rather than the
+    # selection failing: for a kernel that is a faster equal of the reference and is listed by default.
+    reference_elsewhere: bool = False
 
 
 def _lazy(module: str, attr: str) -> Callable[[KernelConfig], Callable]:
@@ -132,7 +135,7 @@ def _fla_chunk_unavailable(env: Env) -> str | None:
 
 
 def _fla_chunk_fix_unneeded(env: Env) -> str | None:
-    """The torch chunk_bwd_dqkwg runs only where FLA's own is broken (elsewhere FLA's kernel is faster)."""
+    """The #640 handling of chunk_bwd_dqkwg runs only where FLA's own launch is refused (elsewhere it is FLA's)."""
     if _needs_fla(env) or fla.chunk_backward_broken(env.triton_version, env.capability):
         return None
     return "FLA's own chunk_bwd_dqkwg is right on this stack"
@@ -191,7 +194,7 @@ CUDA_ATTENTION = VARLEN_ATTN
 
 # FLA's Triton kernels run on CUDA and, through its triton-ascend backends, on NPU.
 _FLA_DEVICES = ("cuda", "npu")
-FLA_TORCH_DQKWG = f"{FLA} + torch chunk_bwd_dqkwg"
+FLA_HOPPER_DQKWG = f"{FLA}, #640-safe chunk_bwd_dqkwg"
 
 OPS: dict[str, OpSpec] = {
     "rms_norm": _auto("rms_norm", rms_norm),
@@ -207,19 +210,22 @@ OPS: dict[str, OpSpec] = {
     "chunk_gated_delta_rule": OpSpec(
         FLA, lambda cfg: functools.partial(chunk_gated_delta_rule, chunk_size=cfg.chunk_size),
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.chunk_gated_delta_rule(cfg.chunk_size), _fla_chunk_unavailable),
-         # Triton 3.4-3.7.0 on Hopper (torch 2.11 / 2.12.0's own): FLA with that one backward step in torch.
-         Impl(FLA_TORCH_DQKWG, ("cuda",), lambda cfg: fla.chunk_gated_delta_rule_torch_dqkwg(cfg.chunk_size),
-              _fla_chunk_fix_unneeded, "FLA #640: its chunk_bwd_dqkwg backward step runs in torch "
-              "(kernels/fla_dqkwg.py), every other FLA kernel as FLA's"))),
+         # Triton 3.4-3.7.0 on Hopper (torch 2.11 / 2.12.0's own): FLA, its one miscompiled step made safe.
+         Impl(FLA_HOPPER_DQKWG, ("cuda",), lambda cfg: fla.chunk_gated_delta_rule_hopper_safe(cfg.chunk_size),
+              _fla_chunk_fix_unneeded, "FLA #640: its chunk_bwd_dqkwg backward step runs FLA's kernel at 128-wide "
+              "tiles where both head dims exceed 64, else in torch (kernels/fla_dqkwg.py); every other FLA kernel "
+              "as FLA's"))),
     "document_attention": OpSpec(
         AUTO, lambda cfg: DenseMaskAttention(),
         tuple(sorted(_ATTENTION.values(), key=lambda impl: impl.name != CUDA_ATTENTION)), config_key="attention"),
     "fused_recurrent_gated_delta_rule": OpSpec(
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
-    # DeltaNet's short convolution and silu; CUDA only (FLA's Triton kernel is untried under triton-ascend here).
+    # DeltaNet's short convolution and silu. FLA's Triton kernel runs on CUDA only (untried under triton-ascend
+    # here); listed by default, so an NPU run takes the torch one, and says so.
     "causal_conv1d_silu": OpSpec(
-        FLA, lambda cfg: causal_conv1d_silu, (Impl(FLA, ("cuda",), lambda cfg: fla.causal_conv1d_silu(), _needs_fla),)),
+        FLA, lambda cfg: causal_conv1d_silu, (Impl(FLA, ("cuda",), lambda cfg: fla.causal_conv1d_silu(), _needs_fla),),
+        reference_elsewhere=True),
     # The dispatch path. The K-to-one steps of the torch permutes (the EP dispatchers' gathers):
     "gather_sum": _dispatch(gather_sum_torch, _triton_permute("gather_sum")),
     "unpermute_backward": _dispatch(unpermute_backward_torch, _triton_permute("unpermute_backward")),
@@ -300,7 +306,8 @@ def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
     if named != AUTO:
         raise ValueError(f"kernel_config.{spec.config_key}={named} cannot run on {env.describe()}: {why}; fix: "
                          f"kernel_config.{spec.config_key}={AUTO}")
-    if spec.plugin == AUTO:  # auto means "the best available": the reference is a fine answer
+    # auto means "the best available"; a reference_elsewhere op has no kernel for this device: the reference it is.
+    if spec.plugin == AUTO or (spec.reference_elsewhere and not skipped):
         return reference(why)
     # A kernel asked for by name never silently becomes something else.
     raise ValueError(f"kernel_config.name={cfg.name!r} asks for {spec.plugin}'s {op}, which cannot run on "

@@ -112,10 +112,11 @@ def test_packed_needs_chunk_indices() -> None:
         chunk_bwd_dqkwg(**inputs, cu_seqlens=torch.tensor([0, 10]))
 
 
-def test_the_fla_backend_forwards_to_the_torch_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fla_backend_routes_the_step_by_tile_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels/fla.py's adapter, against a stand-in for FLA's backend registry (FLA itself needs triton): it
-    registers one backend for FLA's 'common' ops, accepts only the gated delta rule's call, and returns what
-    chunk_bwd_dqkwg returns, preparing chunk_indices where FLA's caller passes none."""
+    registers one backend for FLA's 'common' ops, accepts only the gated delta rule's call, and for head dims of 64
+    or less (a 64-wide tile, where #640 miscompiles) returns what the torch chunk_bwd_dqkwg returns, preparing
+    chunk_indices where FLA's caller passes none; wider heads go to FLA's kernel at 128-wide tiles."""
     import sys
     import types
 
@@ -142,11 +143,11 @@ def test_the_fla_backend_forwards_to_the_torch_step(monkeypatch: pytest.MonkeyPa
                          "fla.ops.utils": types.ModuleType("fla.ops.utils"), "fla.backends": backends,
                          "fla.ops.utils.index": index}.items():
         monkeypatch.setitem(sys.modules, name, module)
-    fla._register_torch_dqkwg.cache_clear()
+    fla._register_hopper_dqkwg.cache_clear()
     try:
-        fla._register_torch_dqkwg()
+        fla._register_hopper_dqkwg()
     finally:
-        fla._register_torch_dqkwg.cache_clear()
+        fla._register_hopper_dqkwg.cache_clear()
     backend = registered["common"]
     inputs, expected = _forward_and_grads(lengths, batch=1, chunk=4)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
@@ -158,3 +159,49 @@ def test_the_fla_backend_forwards_to_the_torch_step(monkeypatch: pytest.MonkeyPa
     assert not backend.chunk_bwd_dqkwg_verifier(**{**call, "state_v_first": True})[0]
     for got, want in zip(backend.chunk_bwd_dqkwg(**call), expected):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+    launched = []
+    monkeypatch.setattr(fla, "_launch_wide_dqkwg", lambda *args: launched.append(args[1].shape) or "fla kernel")
+    wide = {**call, "q": call["q"].new_zeros(*call["q"].shape[:-1], 128), "k": call["k"].new_zeros(
+        *call["k"].shape[:-1], 128), "v": call["v"].new_zeros(*call["v"].shape[:-1], 96)}
+    assert backend.chunk_bwd_dqkwg(**wide) == "fla kernel" and launched == [wide["k"].shape]
+    assert [fla.wide_dqkwg_tiles(k, v) for k, v in ((128, 128), (100, 96), (256, 128), (64, 128), (128, 64),
+                                                    (32, 32))] == [True, True, True, False, False, False]
+
+
+_H200_TRITON = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with FLA and triton")
+
+
+@_H200_TRITON
+@pytest.mark.parametrize("lengths", [None, [1, 76, 1971, 1, 2951, 4000, 100, 7284]])
+def test_fla_kernel_at_wide_tiles_matches_the_torch_step_on_cuda(lengths: list[int] | None) -> None:
+    """The #640 route on a GPU: FLA's kernel launched at 128-wide tiles against the torch step, bf16 inputs at
+    Qwen3.5's DeltaNet heads (16 q/k heads, 32 value heads, K = V = 128), one row per batch or packed documents."""
+    pytest.importorskip("fla")
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from kernels import fla
+
+    gen, dev, bf16, chunk = torch.Generator("cuda").manual_seed(0), "cuda", torch.bfloat16, 64
+    batch, seq = (2, 4096) if lengths is None else (1, sum(lengths))
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+    indices = None if cu is None else prepare_chunk_indices(cu, chunk)
+    num_chunks = seq // chunk if cu is None else len(indices)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(bf16)
+
+    q, k = rand(batch, seq, 16, 128, scale=0.1), rand(batch, seq, 16, 128, scale=0.1)
+    v, do, dv, w = (rand(batch, seq, 32, 128, scale=s) for s in (1.0, 1.0, 1.0, 0.1))
+    h, dh = (rand(batch, num_chunks, 32, 128, 128, scale=0.5) for _ in range(2))
+    log_decay = -torch.rand(batch, seq, 32, generator=gen, device=dev) * 0.3
+    docs = [(0, seq)] if cu is None else list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    chunk_starts = sorted({c for start, end in docs for c in range(start, end, chunk)}) + [seq]
+    g = torch.empty_like(log_decay)  # chunk-local cumulative gates, as FLA keeps them
+    for start, end in zip(chunk_starts[:-1], chunk_starts[1:]):
+        g[:, start:end] = log_decay[:, start:end].cumsum(1)
+    args = (q, k, v, do, h, dh, w, g, dv, 128 ** -0.5, cu, chunk, indices)
+    for name, got, want in zip(("dq", "dk", "dw", "dg"), fla._launch_wide_dqkwg(*args), chunk_bwd_dqkwg(*args)):
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < 1e-2, f"{name}: norm-wise error {err:.2e} against the torch step"
+

@@ -108,12 +108,13 @@ def test_cpu_gets_the_torch_references() -> None:
         select_kernels(KernelConfig(name="flash-linear-attention"), "cpu", Env("cpu"))
 
 
-def test_hopper_with_bad_triton_gets_fla_with_the_torch_backward_step() -> None:
-    # FLA #640: the one miscompiled step (chunk_bwd_dqkwg) runs in torch, every other FLA kernel stays, and the
-    # log line says so; the recurrent kernel (forward only) and the auto ops are not affected.
+def test_hopper_with_bad_triton_gets_fla_with_its_backward_step_made_safe() -> None:
+    # FLA #640: the one miscompiled step (chunk_bwd_dqkwg) runs at 128-wide tiles or in torch, every other FLA
+    # kernel stays, and the log line says so; the recurrent kernel (forward only) and the auto ops are not affected.
     kernels = select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", HOPPER_TRITON_36)
     chunk = kernels.choices["chunk_gated_delta_rule"]
-    assert chunk.impl == "flash-linear-attention + torch chunk_bwd_dqkwg" and "#640" in chunk.reason
+    assert chunk.impl == "flash-linear-attention, #640-safe chunk_bwd_dqkwg" and "#640" in chunk.reason
+    assert "128-wide tiles" in chunk.reason
     assert kernels.choices["fused_recurrent_gated_delta_rule"].impl == "flash-linear-attention"
     assert {kernels.choices[op].impl for op in ("rms_norm", "offset_rms_norm", "gated_rms_norm", "swiglu",
                                                 "packed_swiglu", "apply_rotary", "softmax_cross_entropy")} \
@@ -129,7 +130,7 @@ def test_chunk_backward_bug_condition(triton_version, capability, broken: bool) 
     assert (fla.chunk_backward_broken(triton_version, capability) is not None) == broken
     env = Env("cuda", triton_version=triton_version, capability=capability, fla_version="0.6.0")
     chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env).choices
-    assert chosen["chunk_gated_delta_rule"].impl == ("flash-linear-attention + torch chunk_bwd_dqkwg" if broken
+    assert chosen["chunk_gated_delta_rule"].impl == ("flash-linear-attention, #640-safe chunk_bwd_dqkwg" if broken
                                                      else "flash-linear-attention")
 
 
@@ -164,18 +165,22 @@ def test_only_the_included_fla_kernels_are_installed() -> None:
     assert all(chosen[op].impl == "torch" for op in AUTO_OPS)  # auto not requested
 
 
-def test_fla_short_convolution_runs_only_when_listed_and_only_on_cuda() -> None:
-    """Not yet measured on a GPU, so not among the default FLA ops; listed, it is FLA's on CUDA, and an NPU run
-    that lists it is refused (no silent torch), naming the op."""
+def test_fla_short_convolution_is_a_default_fla_op_on_cuda_and_torch_on_npu() -> None:
+    """Measured faster on an H200, so listed by default: FLA's on CUDA; on NPU, where FLA's kernel is untried, the
+    torch one, with the reason logged; left out of the list, torch everywhere."""
     env = Env("cuda", triton_version="3.7.1", capability=(9, 0), fla_version="0.6.0")
-    default = select_kernels(KernelConfig(name="auto,flash-linear-attention"), "cuda", env).choices
-    assert default["causal_conv1d_silu"].impl == "torch"
-    assert default["causal_conv1d_silu"].reason == "not in kernel_config.include_kernels"
-    listed = KernelConfig(name="auto,flash-linear-attention", include_kernels=list(FLA_OPS))
-    assert select_kernels(listed, "cuda", env).choices["causal_conv1d_silu"].impl == "flash-linear-attention"
+    default = KernelConfig(name="auto,flash-linear-attention")
+    assert "causal_conv1d_silu" in default.include_kernels
+    assert select_kernels(default, "cuda", env).choices["causal_conv1d_silu"].impl == "flash-linear-attention"
     npu = Env("npu", triton_version="3.2.0", fla_version="0.6.0", has_torch_npu=True)
-    with pytest.raises(ValueError, match="causal_conv1d_silu, which cannot run on npu.*cuda only"):
-        select_kernels(listed, "npu", npu)
+    on_npu = select_kernels(default, "npu", npu).choices
+    assert on_npu["causal_conv1d_silu"].impl == "torch"
+    assert on_npu["causal_conv1d_silu"].reason == "flash-linear-attention has kernels for cuda only"
+    assert on_npu["chunk_gated_delta_rule"].impl == "flash-linear-attention"
+    unlisted = KernelConfig(name="auto,flash-linear-attention",
+                            include_kernels=["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
+    chosen = select_kernels(unlisted, "cuda", env).choices["causal_conv1d_silu"]
+    assert (chosen.impl, chosen.reason) == ("torch", "not in kernel_config.include_kernels")
 
 
 def test_cuda_without_triton_uses_torch() -> None:

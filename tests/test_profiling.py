@@ -11,7 +11,7 @@ import torch
 from torch.autograd.profiler_util import FunctionEvent
 
 import train
-from training.profiling import KernelInterval, classify, kernel_intervals, summarize
+from training.profiling import KernelInterval, _activities, classify, kernel_intervals, summarize
 
 
 def _rows(summary: str) -> dict[str, list[str]]:
@@ -120,3 +120,12 @@ def test_a_run_that_ends_inside_the_window_still_writes_its_summary(tiny_run_con
 def test_bad_profile_settings_are_rejected_by_key(tiny_run_config, overrides, message):
     with pytest.raises(ValueError, match=message):
         train.run(tiny_run_config(*overrides))
+
+
+def test_profile_host_false_records_only_cuda_kernels() -> None:
+    """logging.profile_host=false leaves the host unrecorded on CUDA (its idle figure is then the step's own);
+    elsewhere the host ops are all a profile has, so they stay."""
+    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    assert _activities("cuda", host=False) == [cuda]
+    assert _activities("cuda") == [cpu, cuda]
+    assert _activities("cpu", host=False) == [cpu] and _activities("npu", host=False) == [cpu]

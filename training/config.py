@@ -106,6 +106,8 @@ class LoggingConfig:
     # 0: off; profile steps profile_step .. profile_step+profile_steps-1 (trace + summary in <run_dir>/profile)
     profile_step: int = 0
     profile_steps: int = 2
+    # false: record device kernels alone (CUDA), so the host runs unslowed and the idle figure is the step's own
+    profile_host: bool = True
 
 
 @dataclass

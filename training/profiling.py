@@ -130,7 +130,12 @@ def kernel_intervals(prof: torch.profiler.profile) -> list[KernelInterval]:
             if evt.device_type in device_types and not getattr(evt, "is_user_annotation", False)]
 
 
-def _activities(device_type: str) -> list[torch.profiler.ProfilerActivity]:
+def _activities(device_type: str, host: bool = True) -> list[torch.profiler.ProfilerActivity]:
+    """What the profiler records. Recording every host op slows the host, and so inflates exactly the host-bound
+    gaps that GPU idle is made of; without the host (CUDA only) the kernels, and the gaps between them, are the
+    step's own, and the trace shows no host side."""
+    if device_type == "cuda" and not host:
+        return [torch.profiler.ProfilerActivity.CUDA]
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device_type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -146,8 +151,9 @@ class StepProfiler:
     without a device sync between them) and ``close`` after the loop, which also ends a window the run stopped
     inside."""
 
-    def __init__(self, run_dir: Path, start_step: int, num_steps: int, rank: int, device_type: str) -> None:
-        self._dir, self._rank, self._device_type = run_dir / "profile", rank, device_type
+    def __init__(self, run_dir: Path, start_step: int, num_steps: int, rank: int, device_type: str,
+                 host: bool = True) -> None:
+        self._dir, self._rank, self._device_type, self._host = run_dir / "profile", rank, device_type, host
         self._enabled, self._first, self._last = start_step > 0, start_step, start_step + num_steps - 1
         self._prof: torch.profiler.profile | None = None
         self._start, self._steps = 0.0, 0
@@ -157,7 +163,7 @@ class StepProfiler:
             # The training loop does not wait for a step's optimizer: the window starts on an idle device, so no
             # kernel of the step before runs inside it unrecorded.
             device.synchronize(self._device_type)
-            self._prof = torch.profiler.profile(activities=_activities(self._device_type))
+            self._prof = torch.profiler.profile(activities=_activities(self._device_type, self._host))
             self._prof.start()
             self._start = time.perf_counter()
 
@@ -181,7 +187,8 @@ class StepProfiler:
         self._dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self._dir / f"trace_rank{self._rank}.json.gz"))  # .gz: torch gzips it
         last = self._first + self._steps - 1
-        title = f"Profile of steps {self._first}..{last}, rank {self._rank}"
+        title = (f"Profile of steps {self._first}..{last}, rank {self._rank}"
+                 + ("" if self._host else ", device kernels only (logging.profile_host=false)"))
         summary = summarize(kernel_intervals(prof), wall_s, self._steps)
         (self._dir / f"summary_rank{self._rank}.md").write_text(f"# {title}\n\n{summary}\n")
         if self._rank == 0:
