@@ -44,6 +44,8 @@ class Documents:
     cu_seqlens_n1: Tensor  # start of every document in the flattened B*T tokens, then B*T (document_cu_seqlens)
     max_len: int = 0  # the longest document (varlen attention's launch bound); 0 where not needed
     block_mask: Any = None  # FlexAttention's BlockMask; None where not needed
+    # cu_seqlens_n1 on the host where the trainer knew it (KnownDocuments): FLA's varlen kernels then read nothing back
+    host_cu_seqlens_n1: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,12 @@ class KnownDocuments:
     before the batch goes to the device): ``documents`` then reads nothing back from the device."""
 
     cu_seqlens_n1: Tensor  # document_cu_seqlens of the batch, on the batch's device
-    lengths_n: Tensor  # every document's length, on the host
+    host_cu_seqlens_n1: Tensor  # the same, on the host
+
+    @property
+    def lengths_n(self) -> Tensor:
+        """Every document's length, on the host."""
+        return self.host_cu_seqlens_n1.diff()
 
     @property
     def max_len(self) -> int:
@@ -74,8 +81,11 @@ def causal_sdpa(q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, scale: float) ->
                                           enable_gqa=k_BhTd.shape[1] != q_BHTd.shape[1])
 
 
-def _cu_seqlens(ids_BT: Tensor, known: KnownDocuments | None) -> Tensor:
-    return known.cu_seqlens_n1 if known is not None else document_cu_seqlens(ids_BT)  # nonzero: a host read
+def _cu_seqlens(ids_BT: Tensor, known: KnownDocuments | None) -> dict[str, Tensor | None]:
+    """The documents' offsets on the device, and on the host where known (else found: nonzero, a host read)."""
+    if known is None:
+        return {"cu_seqlens_n1": document_cu_seqlens(ids_BT), "host_cu_seqlens_n1": None}
+    return {"cu_seqlens_n1": known.cu_seqlens_n1, "host_cu_seqlens_n1": known.host_cu_seqlens_n1}
 
 
 class DenseMaskAttention:
@@ -84,7 +94,7 @@ class DenseMaskAttention:
     tests' yardstick, never the CUDA default."""
 
     def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
-        return Documents(ids_BT, _cu_seqlens(ids_BT, known))
+        return Documents(ids_BT, **_cu_seqlens(ids_BT, known))
 
     def __call__(self, q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, docs: Documents | None,
                  scale: float) -> Tensor:
@@ -146,7 +156,7 @@ class FlexAttention(DenseMaskAttention):
         self.compiled = compiled
 
     def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
-        return Documents(ids_BT, _cu_seqlens(ids_BT, known), block_mask=document_block_mask(ids_BT))
+        return Documents(ids_BT, **_cu_seqlens(ids_BT, known), block_mask=document_block_mask(ids_BT))
 
     def __call__(self, q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, docs: Documents | None,
                  scale: float) -> Tensor:
@@ -186,7 +196,7 @@ class VarlenAttention(DenseMaskAttention):
 
     def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
         if known is not None:
-            return Documents(ids_BT, known.cu_seqlens_n1, max_len=known.max_len)
+            return Documents(ids_BT, **_cu_seqlens(ids_BT, known), max_len=known.max_len)
         cu_seqlens_n1 = document_cu_seqlens(ids_BT)
         return Documents(ids_BT, cu_seqlens_n1, max_len=int(cu_seqlens_n1.diff().max()))  # host reads
 

@@ -138,11 +138,12 @@ def _pack_lanes(cu_seqlens: Tensor, total: int, chunk_size: int) -> _Lanes:
 def chunk_gated_delta_rule(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
     initial_state: Tensor | None = None, output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-    chunk_size: int = 64, cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64, cu_seqlens: Tensor | None = None, cu_seqlens_cpu: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """q, k [B, T, h, k]; v [B, T, H, v]; g (log decay, <= 0), beta [B, T, H]; initial_state [B, H, k, v].
     Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None). With ``cu_seqlens``
-    (n + 1 offsets, batch of one): n sequences, initial_state and the final states [n, H, k, v].
+    (n + 1 offsets, batch of one): n sequences, initial_state and the final states [n, H, k, v]; ``cu_seqlens_cpu``:
+the same offsets on the host, where the caller knows them (FLA's argument): then nothing is read back.
 
     Within a chunk, with gamma_i the cumulative log decay from the chunk start, the deltas
     ``delta_i = beta_i (v_i - S_{i-1}^T k_i e^{g_i})`` solve the unit lower-triangular system
@@ -159,7 +160,7 @@ def chunk_gated_delta_rule(
             raise ValueError(f"cu_seqlens needs the sequences concatenated into a batch of 1, got batch {q.shape[0]}")
         # The sequences as the rows of a batch (B = L lanes), each padded to whole chunks: zero padding is inert
         # (g = 0 and beta = 0 leave the state as it is, its outputs are dropped), so one pass runs them all.
-        lanes = _pack_lanes(cu_seqlens, T, C)
+        lanes = _pack_lanes(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, T, C)
         q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT = (
             torch.cat([x[0], x.new_zeros(x.shape[1], 1, *x.shape[3:])], dim=1)[:, lanes.source_LP].transpose(0, 1)
             for x in (q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT))

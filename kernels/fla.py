@@ -12,6 +12,10 @@ import re
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from core.device import queued_copy
+
 # On NPU, FLA's Triton kernels compile with triton-ascend, which no extra of ours installs (.[gpu] is for CUDA).
 PIP_HINTS = {"cuda": "pip install '.[gpu]'",
              "npu": "pip install 'flash-linear-attention>=0.6,<0.7' triton-ascend (the release for your CANN)"}
@@ -50,10 +54,34 @@ def first_call_note() -> str:
             f"autotune results in {cache} (TRITON_CACHE_DIR), and later runs that find them start in seconds")
 
 
+# FLA's causal_conv1d tiles packed rows in chunks of 64 (its default; the wrapper below passes no other).
+CONV_CHUNK = 64
+
+
+@functools.lru_cache(maxsize=4)  # keyed on the host tensor itself: one forward's layers share one build
+def host_chunk_indices(cu_seqlens_cpu: torch.Tensor, chunk_size: int, dev: torch.device) -> torch.Tensor:
+    """FLA's ``chunk_indices`` (each chunk's sequence and its index within it, as ``prepare_chunk_indices`` builds
+    them) from the offsets as the host knows them, queued to ``dev``. FLA would otherwise read ``cu_seqlens`` back,
+    or, given ``cu_seqlens_cpu``, copy its result from pageable memory: a host sync either way."""
+    counts_n = (cu_seqlens_cpu.diff() + chunk_size - 1) // chunk_size
+    sequence_N = torch.repeat_interleave(torch.arange(len(counts_n)), counts_n)
+    first_N = torch.repeat_interleave(counts_n.cumsum(0) - counts_n, counts_n)
+    indices_N2 = torch.stack([sequence_N, torch.arange(len(sequence_N)) - first_N], 1).to(cu_seqlens_cpu.dtype)
+    return queued_copy(indices_N2, dev)
+
+
 def chunk_gated_delta_rule(chunk_size: int) -> Callable:
+    """FLA's chunked rule; packed sequences whose offsets the host knows (``cu_seqlens_cpu``) get their
+    ``chunk_indices`` from ``host_chunk_indices``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    return functools.partial(fla_chunk, chunk_size=chunk_size)
+    def rule(*args, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        if cu_seqlens_cpu is not None:
+            kwargs["chunk_indices"] = host_chunk_indices(cu_seqlens_cpu, chunk_size, cu_seqlens.device)
+        return fla_chunk(*args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+                         **kwargs)
+
+    return rule
 
 
 def wide_dqkwg_tiles(head_k: int, head_v: int) -> bool:
@@ -76,9 +104,8 @@ def chunk_gated_delta_rule_hopper_safe(chunk_size: int) -> Callable:
 
 
 def _launch_wide_dqkwg(q, k, v, do, h, dh, w, g, dv, scale, cu_seqlens, chunk_size, chunk_indices):
-    """FLA's ``chunk_bwd_dqkwg`` (fla/ops/common/chunk_o.py) with its tiles fixed at 128: its launch, less the
-    #640 refusal. Only for head dims that ``wide_dqkwg_tiles`` accepts (one code path with the Hopper one)."""
-    import torch
+    """The launch FLA's ``chunk_bwd_dqkwg`` (fla/ops/common/chunk_o.py) makes on Hopper, less its #640 refusal:
+    tiles of 128. Only for head dims that ``wide_dqkwg_tiles`` accepts."""
     import triton
     from fla.ops.common.chunk_o import chunk_bwd_kernel_dqkwg
 
@@ -135,7 +162,10 @@ def causal_conv1d_silu() -> Callable:
     def conv(x_BTF, w_FW, docs):
         if docs is None:
             return causal_conv1d(x_BTF, w_FW, activation="silu")[0]
-        y_1NF, _ = causal_conv1d(x_BTF.flatten(0, 1)[None], w_FW, activation="silu", cu_seqlens=docs.cu_seqlens_n1)
+        host = docs.host_cu_seqlens_n1
+        indices = None if host is None else host_chunk_indices(host, CONV_CHUNK, x_BTF.device)
+        y_1NF, _ = causal_conv1d(x_BTF.flatten(0, 1)[None], w_FW, activation="silu", cu_seqlens=docs.cu_seqlens_n1,
+                                 chunk_indices=indices)
         return y_1NF.view_as(x_BTF)
 
     return conv

@@ -1,8 +1,9 @@
 """FLA's ``chunk_bwd_dqkwg`` (one step of the chunked gated delta rule's backward) in plain PyTorch.
 
 Triton 3.4.0 to 3.7.0 miscompile FLA's Triton kernel for this step on Hopper (FLA #640), while FLA's other forward
-and backward kernels are right there: ``kernels/fla.py`` registers this function as an FLA backend for that step on
-such stacks, so the rest of FLA's fast path still runs (the stock torch 2.11 / 2.12.0 stack has triton 3.6).
+and backward kernels are right there: on such stacks ``kernels/fla.py`` registers an FLA backend for that step, which
+runs FLA's own kernel at 128-wide tiles (right there) and this function for heads of 64 or less, so the rest of FLA's
+fast path still runs (the stock torch 2.11 / 2.12.0 stack has triton 3.6).
 
 Per chunk n of C tokens (chunk-local cumulative gates ``g`` in log2 space, as FLA keeps them; ``h``/``dh`` the state
 entering the chunk and its gradient; ``v`` the chunk's corrected values ``v_new``; ``dv`` their full gradient):

@@ -78,7 +78,7 @@ def known_documents(position_ids_BT: torch.Tensor, dev: torch.device) -> KnownDo
     if ids_BT is None:
         return False
     cu_seqlens_n1 = document_cu_seqlens(ids_BT)
-    return KnownDocuments(queued_copy(cu_seqlens_n1, dev), cu_seqlens_n1.diff())
+    return KnownDocuments(queued_copy(cu_seqlens_n1, dev), cu_seqlens_n1)
 
 
 def document_ids(position_ids_BT: torch.Tensor, packed: bool | KnownDocuments | None = None) -> torch.Tensor | None:

@@ -186,6 +186,8 @@ def test_fla_kernel_at_wide_tiles_matches_the_torch_step_on_cuda(lengths: list[i
     batch, seq = (2, 4096) if lengths is None else (1, sum(lengths))
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
     indices = None if cu is None else prepare_chunk_indices(cu, chunk)
+    if cu is not None:  # what the trainer's host offsets hand FLA instead (kernels/fla.py): the same indices
+        assert torch.equal(fla.host_chunk_indices(cu.cpu(), chunk, cu.device), indices)
     num_chunks = seq // chunk if cu is None else len(indices)
 
     def rand(*shape, scale=1.0):

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 import kernels.permute as permute
 import models
 from kernels import fla, installed, npu_moe
+from kernels.attention import Documents
 from kernels.config import DEFAULT_FLA_OPS, FLA_OPS, KernelConfig, validate_kernel_config
 from kernels.grouped_mm import per_group_mm
 from kernels.registry import INSTALLED_OPS, OPS, SLOT_OPS, Env, apply_kernels, installed_kernels, select_kernels
@@ -393,3 +394,39 @@ def test_npu_token_permutes_match_the_torch_ones(fake_torch_npu: FakeTorchNpu) -
     assert fake_torch_npu.calls == {"npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1}
     for g_, w_ in zip(got, want, strict=True):
         torch.testing.assert_close(g_, w_, rtol=1e-6, atol=1e-6)  # fp32: the same products, summed in other orders
+
+
+def test_host_chunk_indices_are_fla_s_chunk_indices_built_on_the_host() -> None:
+    """(sequence, chunk within it) for every chunk, in order, as FLA's prepare_chunk_indices lays them out;
+    one-token and exact-multiple documents included."""
+    lengths = [1, 64, 65, 130, 1, 7]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    expected = [[n, c] for n, length in enumerate(lengths) for c in range(-(-length // 64))]
+    got = fla.host_chunk_indices(cu, 64, torch.device("cpu"))
+    assert got.tolist() == expected and got.dtype == cu.dtype
+    assert fla.host_chunk_indices(cu, 16, torch.device("cpu")).shape == (sum(-(-n // 16) for n in lengths), 2)
+
+
+def test_fla_wrappers_hand_fla_the_host_built_chunk_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed rows whose offsets the host knows reach FLA with chunk_indices (FLA then reads nothing back); others
+    without, as before. Against stand-ins for FLA's entry points (FLA itself needs triton)."""
+    import types
+
+    calls = []
+    rule_module, conv_module = types.ModuleType("fla.ops.gated_delta_rule"), types.ModuleType("fla.modules.causal_conv1d")
+    rule_module.chunk_gated_delta_rule = lambda *args, **kwargs: calls.append(("rule", kwargs)) or (args[0], None)
+    conv_module.causal_conv1d = lambda x, w, **kwargs: calls.append(("conv", kwargs)) or (x, None)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", rule_module)
+    monkeypatch.setitem(sys.modules, "fla.modules.causal_conv1d", conv_module)
+    cu = torch.tensor([0, 3, 70, 80])
+    rule = fla.chunk_gated_delta_rule(32)
+    rule(torch.zeros(1), cu_seqlens=cu, cu_seqlens_cpu=cu)
+    rule(torch.zeros(1), cu_seqlens=cu)
+    (_, known), (_, unknown) = calls
+    assert known["chunk_indices"].tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]] and known["chunk_size"] == 32
+    assert "chunk_indices" not in unknown
+    docs = Documents(torch.zeros(1, 80, dtype=torch.long), cu, host_cu_seqlens_n1=cu)
+    fla.causal_conv1d_silu()(torch.zeros(1, 80, 4), torch.zeros(4, 4), docs)
+    assert calls[-1][1]["chunk_indices"].tolist() == [[0, 0], [1, 0], [1, 1], [2, 0]]  # chunks of 64
+    fla.causal_conv1d_silu()(torch.zeros(1, 80, 4), torch.zeros(4, 4), Documents(docs.ids_BT, cu))
+    assert calls[-1][1]["chunk_indices"] is None

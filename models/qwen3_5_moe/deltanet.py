@@ -125,9 +125,11 @@ class GatedDeltaNet(nn.Module):
         if docs is None:
             o_BTHv, _ = rule(q_BThk, k_BThk, v_BTHv, g=g_BTH, beta=beta_BTH, use_qk_l2norm_in_kernel=True)
             return o_BTHv
+        # The chunked rule also takes the offsets as the host knows them (FLA's cu_seqlens_cpu): no read back.
+        host = {} if recurrent else {"cu_seqlens_cpu": docs.host_cu_seqlens_n1}
         o_1NHv, _ = rule(*(x.flatten(0, 1)[None] for x in (q_BThk, k_BThk, v_BTHv)), g=g_BTH.flatten(0, 1)[None],
                          beta=beta_BTH.flatten(0, 1)[None], use_qk_l2norm_in_kernel=True,
-                         cu_seqlens=docs.cu_seqlens_n1)
+                         cu_seqlens=docs.cu_seqlens_n1, **host)
         return o_1NHv.view(B, T, H, dv)
 
     def saved_activations(self) -> LayerActivations:
