@@ -37,7 +37,7 @@ from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load
 from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
-                                 set_rng_state)
+                                 save_sizes, set_rng_state, space_warnings)
 from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, register_schema,
                              schema_defaults, to_train_config, validate)
 from training.data.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
@@ -48,7 +48,7 @@ from training.launch import needs_torchrun, one_line_errors, relaunch_with_torch
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
                               routing_summary)
-from training.optim import build_optimizer, build_scheduler, clipped_step
+from training.optim import build_optimizer, build_scheduler, clipped_step, queue_step
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
 from training.run_dir import Start, check_not_moved, find_start, lock_run_dir, new_record, write_record
@@ -178,20 +178,30 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
         ce_share, aux_share, z_share = ce_share + ce.detach(), aux_share + aux.detach(), z_share + z.detach()
         if summarise:
             routing_LX = routing_LX + routing_summary(out.router_stats)
-    grad_norm = parallelisms.grad_norm(model, dims)  # clipped below, once the host has the norm
+    grad_norm = parallelisms.grad_norm(model, dims)
     losses = torch.stack([ce_share, aux_share, z_share])
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
     # Queued before the read below, so complete after it.
     routing_host_LX = reduce_routing(routing_LX, dims.data_group) if routing else None
-    loss, aux_loss, z_loss, norm = torch.cat([losses, grad_norm.reshape(1)]).tolist()  # the step's one host sync
+    read_stats = device.queued_read(torch.cat([losses, grad_norm.reshape(1)]))
+    # The update is queued before the read where the optimizer decides on the device whether it applies
+    # (training.optim.AdamW, the CUDA default), and the read waits for the copy alone, not for the update: the
+    # device goes from backward to the update, and on to the next forward, without waiting for the host to read,
+    # decide and launch. Not under dispatcher=capacity, whose overflow the host learns of only after the read.
+    queued = update and not parallelisms.may_drop_rows(model) and queue_step(optimizer, cfg.optim.grad_clip,
+                                                                               grad_norm, losses)
+    loss, aux_loss, z_loss, norm = read_stats().tolist()  # the step's one host sync
     parallelisms.raise_if_dispatch_overflowed(model)  # dispatcher=capacity: a step that dropped rows is not applied
-    finite = math.isfinite(loss) and math.isfinite(norm)
+    finite = math.isfinite(loss) and math.isfinite(norm) and math.isfinite(aux_loss) and math.isfinite(z_loss)
+    if queued and not finite:
+        optimizer.rewind()  # the device did not apply it
     if not finite and cfg.train.nonfinite == "stop":
         raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
-        clipped_step(optimizer, model, cfg.optim.grad_clip, norm)
+        if not queued:
+            clipped_step(optimizer, model, cfg.optim.grad_clip, norm)
         scheduler.step()
         if args.router_bias_update_rate > 0:
             update_expert_biases(model.routers(), routing_LX[:, :args.num_experts], args.router_bias_update_rate,
@@ -278,7 +288,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     if dims.rank == 0:
         for line in startup_summary(resolved, param_counts, dims, global_batch, kernels, run_dir.path):
             logger.info(line)
-        for line in config_warnings(cfg):
+        for line in config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root)):
             logger.warning(line)
     rates = Rates(tokens_per_step, dims.world_size, model_args.flops_per_token(cfg.data.seq_len),
                   device.peak_tflops(dev_type))
@@ -415,6 +425,16 @@ def find_run_start(cfg: TrainConfig) -> Start:
     """Read-only: what train.resume continues in the run directory (training.run_dir.find_start)."""
     path = run_path(cfg)
     return find_start(cfg.train.resume, cfg.train.discard_newer, checkpoint_root(cfg, path), path)
+
+
+def save_needs(cfg: TrainConfig, model: torch.nn.Module, run_dir: Path, ckpt_root: Path) -> dict[Path, int]:
+    """What this run's saves write where (``training.checkpoint.space_warnings``): a checkpoint (periodic, or the
+    last step's before the final weights) and the final weights."""
+    checkpoint_bytes, weights_bytes = save_sizes(model, getattr(torch, cfg.optim.state_dtype))
+    c, steps = cfg.checkpoint, cfg.train.steps
+    saves_checkpoint = steps > 0 and ((c.interval > 0 and steps >= c.interval) or (cfg.train.save_final and c.at_end))
+    return {ckpt_root: checkpoint_bytes if saves_checkpoint else 0,
+            run_dir: weights_bytes if cfg.train.save_final else 0}
 
 
 def hydra_run_dir() -> str:

@@ -90,6 +90,23 @@ def queued_copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
 
 
+def queued_read(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Queue a copy of ``t`` to the host; the function returned waits for that copy alone and gives the host
+    tensor. Work queued on the device after this call (the optimizer's update) goes on running while the host
+    reads, where a plain ``.tolist()`` would wait for it too. On the CPU, ``t`` itself."""
+    if t.device.type == "cpu":
+        return lambda: t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+    copied = module(t.device.type).Event()
+    copied.record()
+
+    def read() -> torch.Tensor:
+        copied.synchronize()
+        return host
+
+    return read
+
+
 def to_device(batch: dict[str, torch.Tensor], dev: torch.device) -> dict[str, torch.Tensor]:
     """Every tensor of ``batch`` through ``queued_copy``."""
     return {k: queued_copy(v, dev) for k, v in batch.items()}

@@ -143,7 +143,7 @@ def chunk_gated_delta_rule(
     """q, k [B, T, h, k]; v [B, T, H, v]; g (log decay, <= 0), beta [B, T, H]; initial_state [B, H, k, v].
     Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None). With ``cu_seqlens``
     (n + 1 offsets, batch of one): n sequences, initial_state and the final states [n, H, k, v]; ``cu_seqlens_cpu``:
-the same offsets on the host, where the caller knows them (FLA's argument): then nothing is read back.
+    the same offsets on the host, where the caller knows them (FLA's argument): then nothing is read back.
 
     Within a chunk, with gamma_i the cumulative log decay from the chunk start, the deltas
     ``delta_i = beta_i (v_i - S_{i-1}^T k_i e^{g_i})`` solve the unit lower-triangular system

@@ -18,10 +18,13 @@ _BLOCK = 4096
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, C, n, grad_scale, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
-                  BLOCK: tl.constexpr, HAS_COPY: tl.constexpr):
+def _adamw_kernel(P, G, M, V, C, GATE, n, grad_scale, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
+                  BLOCK: tl.constexpr, HAS_COPY: tl.constexpr, HAS_GATE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    if HAS_GATE:  # [clip coefficient, applies]: a step that does not apply reads and writes nothing
+        grad_scale = tl.load(GATE)
+        mask = mask & (tl.load(GATE + 1) != 0)
     p = tl.load(P + offs, mask=mask).to(tl.float32)
     g = tl.load(G + offs, mask=mask).to(tl.float32) * grad_scale  # the clip, without a pass over the gradients
     m = tl.load(M + offs, mask=mask).to(tl.float32)
@@ -40,15 +43,16 @@ def _adamw_kernel(P, G, M, V, C, n, grad_scale, decay, beta1, beta2, eps, step_s
 
 def adamw_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-               grad_scale: float = 1.0, p_copy: torch.Tensor | None = None) -> None:
+               grad_scale: float = 1.0, p_copy: torch.Tensor | None = None, gate: torch.Tensor | None = None
+               ) -> None:
     tensors = (p, grad, exp_avg, exp_avg_sq, *([p_copy] if p_copy is not None else []))
     if not all(t.is_contiguous() for t in tensors):  # in place, so no contiguous copy: the same maths in torch
         adamw_step_torch(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay, step=step, grad_scale=grad_scale, p_copy=p_copy)
+                         weight_decay=weight_decay, step=step, grad_scale=grad_scale, p_copy=p_copy, gate=gate)
         return
     n = p.numel()
     if n:
         _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-            p, grad, exp_avg, exp_avg_sq, p if p_copy is None else p_copy, n, grad_scale, 1 - lr * weight_decay,
-            beta1, beta2, eps, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5, BLOCK=_BLOCK,
-            HAS_COPY=p_copy is not None, num_warps=8)
+            p, grad, exp_avg, exp_avg_sq, p if p_copy is None else p_copy, p if gate is None else gate, n,
+            grad_scale, 1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+            BLOCK=_BLOCK, HAS_COPY=p_copy is not None, HAS_GATE=gate is not None, num_warps=8)

@@ -5,14 +5,14 @@ build_parallel_dims -> parallelize_model -> (materialise) -> clip_grad_norm_ eac
 from parallelisms.config import BackendConfig, ParallelConfig
 from parallelisms.dims import ParallelDims, ParallelSizes, build_parallel_dims, init_distributed, resolve_sizes
 from parallelisms.dispatchers import DispatcherConfig
-from parallelisms.expert_parallel import raise_if_dispatch_overflowed
+from parallelisms.expert_parallel import may_drop_rows, raise_if_dispatch_overflowed
 from parallelisms.grad_norm import clip_coefficient, clip_grad_norm_, grad_norm, scale_grads_
 from parallelisms.parallelize import expert_shard_dim, parallelize_model, parallelize_qwen3_moe
 from parallelisms.validate import validate_parallel_config
 
 __all__ = [
     "BackendConfig", "DispatcherConfig", "ParallelConfig", "ParallelDims", "ParallelSizes", "build_parallel_dims",
-    "clip_coefficient", "clip_grad_norm_", "expert_shard_dim", "grad_norm", "init_distributed", "parallelize_model",
-    "parallelize_qwen3_moe", "raise_if_dispatch_overflowed", "resolve_sizes", "scale_grads_",
+    "clip_coefficient", "clip_grad_norm_", "expert_shard_dim", "grad_norm", "init_distributed", "may_drop_rows",
+    "parallelize_model", "parallelize_qwen3_moe", "raise_if_dispatch_overflowed", "resolve_sizes", "scale_grads_",
     "validate_parallel_config",
 ]

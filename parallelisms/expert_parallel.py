@@ -32,6 +32,13 @@ def apply_expert_parallel(experts: GroupedExperts, ep_mesh: DeviceMesh, dispatch
     experts.dispatcher.configure(dispatcher)
 
 
+def may_drop_rows(model: nn.Module) -> bool:
+    """Whether an EP dispatcher of ``model`` can drop rows in a step (dispatcher=capacity): the host then knows
+    only after the step's read whether the step may be applied."""
+    return any(isinstance(module, GroupedExperts) and isinstance(module.dispatcher, Dispatcher)
+               and module.dispatcher.drops_rows for module in model.modules())
+
+
 def raise_if_dispatch_overflowed(model: nn.Module) -> None:
     """Raise if an EP dispatcher dropped rows in this step (dispatcher=capacity past its capacity): called after
     the step's host sync, so the overflowed step is never applied."""

@@ -80,8 +80,10 @@ def test_resume_from_a_path_that_is_not_a_checkpoint_names_the_key(tiny_run_conf
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_non_finite_steps_follow_the_policy(tiny_run_config, policy):
-    cfg = tiny_run_config("train.steps=4", "optim.lr=1e30", "optim.warmup_steps=0", f"train.nonfinite={policy}")
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # torch's AdamW; ours, queued before the read
+def test_non_finite_steps_follow_the_policy(tiny_run_config, tmp_path, policy, state_dtype):
+    cfg = tiny_run_config("train.steps=4", "optim.lr=1e30", "optim.warmup_steps=0", f"train.nonfinite={policy}",
+                          f"optim.state_dtype={state_dtype}", "checkpoint.interval=1", "checkpoint.keep_last=4")
     if policy == "stop":
         with pytest.raises(FloatingPointError, match="non-finite"):
             train.run(cfg)
@@ -89,6 +91,22 @@ def test_non_finite_steps_follow_the_policy(tiny_run_config, policy):
     history = train.run(cfg)
     assert not history[0]["skipped"]  # step 1 is finite; its giant update breaks everything after it
     assert all(m["skipped"] for m in history[1:])
+    # The skipped steps changed nothing: the weights and optimizer state of step 4's checkpoint are step 1's.
+    first, last = (_saved_tensors(Path(cfg.train.output_dir) / "checkpoints" / f"step_{s:08d}", tmp_path)
+                   for s in (1, 4))
+    assert first.keys() == last.keys() and any("exp_avg_sq" in key for key in first)
+    for key in first:
+        assert torch.equal(first[key], last[key]), key
+
+
+def _saved_tensors(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds (weights, optimizer state and step counters), by dotted key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.utils._pytree import tree_flatten_with_path, keystr
+
+    dcp_to_torch_save(checkpoint, tmp_path / "flat.pt")
+    leaves, _ = tree_flatten_with_path(torch.load(tmp_path / "flat.pt", weights_only=True))
+    return {keystr(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
     assert all(json.loads(line)["step"] for line in (Path(cfg.train.output_dir) / "metrics.jsonl").open())
 
 

@@ -25,7 +25,7 @@ from kernels.grouped_mm import grouped_mm
 from models.moe import GroupedExperts
 from parallelisms.dispatchers import DispatcherConfig
 from parallelisms.dispatchers.capacity import CapacityDispatcher
-from parallelisms.expert_parallel import apply_expert_parallel, raise_if_dispatch_overflowed
+from parallelisms.expert_parallel import apply_expert_parallel, may_drop_rows, raise_if_dispatch_overflowed
 from tests.dist_utils import run_distributed
 from tests.test_dispatch import ATOL, RTOL, D, E, I, _experts_NK
 
@@ -135,6 +135,9 @@ def _worker(rank: int, world_size: int) -> dict:
             except RuntimeError as error:
                 messages.append(str(error))
         result[(ep, "overflow", rank)] = messages
+        # The trainer queues no update before its read where a dispatcher may drop rows (train.py: train_step).
+        result[(ep, "may_drop_rows", rank)] = (may_drop_rows(nn.ModuleList([eager, capacity])),
+                                                may_drop_rows(nn.ModuleList([eager])))
         configured = GroupedExperts(E, D, I)  # apply_expert_parallel hands the group's keys to the dispatcher
         apply_expert_parallel(configured, ep_mesh, DispatcherConfig("capacity", capacity_factor=3.0))
         result[(ep, "factor", rank)] = configured.dispatcher.capacity_factor
@@ -168,6 +171,10 @@ def test_capacity_overflow_raises_on_every_rank(four_ranks, ep):
         assert immediate.startswith(f"dispatcher=capacity overflowed: an ep rank had {N * 2} rows for one peer, "
                                     f"over its capacity of {C} (dispatcher.capacity_factor=1.0)"), immediate
         assert "Raise dispatcher.capacity_factor" in immediate
+
+
+def test_only_a_model_with_a_capacity_dispatcher_may_drop_rows(four_ranks):
+    assert {four_ranks[(ep, "may_drop_rows", rank)] for ep in (4, 2) for rank in range(4)} == {(True, False)}
 
 
 def test_the_config_group_reaches_the_dispatcher(four_ranks):

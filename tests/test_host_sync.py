@@ -18,10 +18,12 @@ import collections
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
+import training.optim
 from kernels import installed
 from kernels.grouped_mm import native_grouped_mm
 
@@ -43,7 +45,11 @@ EXPECTED = {
 }
 # Non-fused torch.optim AdamW keeps its step counters on the host: created from host data at the first step and
 # read there, no device data involved (so does the CUDA default, training.optim.AdamW).
-HOST_STEP_COUNTERS = {(TORCH_OPTIM, "_get_value", "item"), (TORCH_OPTIM, "_init_group", "tensor from host data")}
+HOST_STEP_COUNTERS = {(TORCH_OPTIM, "_get_value", "item"), (TORCH_OPTIM, "_init_group", "tensor from host data"),
+                      ("training/optim.py", "step", "item"), ("training/optim.py", "step", "tensor from host data")}
+# The optimizers: torch's foreach AdamW (the CPU default) and training.optim.AdamW (the CUDA default; here with bf16
+# moments, its torch reference), whose update is queued before the read.
+OPTIMIZERS = ["optim.state_dtype=float32", "optim.state_dtype=bfloat16"]
 
 
 def _site() -> tuple[str, str]:
@@ -78,8 +84,9 @@ class SyncRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_one_train_step_syncs_only_where_listed(tiny_run_config, monkeypatch) -> None:
-    cfg = tiny_run_config("train.steps=2", "logging.routing_every=0", "logging.log_every=100")
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_one_train_step_syncs_only_where_listed(tiny_run_config, monkeypatch, optimizer: str) -> None:
+    cfg = tiny_run_config("train.steps=2", "logging.routing_every=0", "logging.log_every=100", optimizer)
     recorder = SyncRecorder()
     tolist = torch.Tensor.tolist
 
@@ -102,3 +109,42 @@ def test_one_train_step_syncs_only_where_listed(tiny_run_config, monkeypatch) ->
         installed.restore(saved)
     per_step = {key: n / 2 for key, n in recorder.seen.items() if key not in HOST_STEP_COUNTERS}
     assert per_step == EXPECTED
+
+
+def test_the_update_is_queued_before_the_steps_read(tiny_run_config, monkeypatch) -> None:
+    """With training.optim.AdamW every parameter's update is launched before the step's one host read (so the
+    device goes from backward to the optimizer without waiting for the host), and none after it."""
+    events: list[str] = []
+    tolist, adamw_step_, original = torch.Tensor.tolist, training.optim.adamw_step_, train.train_step
+
+    def recording_tolist(self):
+        if sys._getframe(1).f_code is original.__code__:  # the step's read (torch calls tolist too)
+            events.append("read")
+        return tolist(self)
+
+    def recording_adamw_step_(*args, **kwargs):
+        events.append("update")
+        return adamw_step_(*args, **kwargs)
+
+    monkeypatch.setattr(training.optim, "adamw_step_", recording_adamw_step_)
+
+    def recorded_step(*args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "tolist", recording_tolist)
+            return original(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", recorded_step)
+    train.run(tiny_run_config("train.steps=2", "logging.routing_every=0", "optim.state_dtype=bfloat16"))
+    steps = "".join("u" if e == "update" else "r" for e in events).split("r")
+    assert len(steps) == 3 and steps[0] and steps[1] and not steps[2], events  # updates, read, updates, read
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a queued copy to pinned memory)")
+def test_a_queued_read_gives_the_values_at_the_call_not_the_later_writes() -> None:
+    from core import device
+
+    t = torch.arange(4.0, device="cuda")
+    read = device.queued_read(t)
+    for _ in range(50):  # queued after the copy: the read does not wait for these, nor see them
+        t.mul_(1.5)
+    assert read().tolist() == [0.0, 1.0, 2.0, 3.0] and read().device.type == "cpu"

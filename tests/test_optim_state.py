@@ -5,6 +5,7 @@ resumed with bfloat16 moments, converted, when train.allow_changes names the key
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from tests.test_checkpoint import losses
 from training.checkpoint import load_checkpoint
 from training.config import OptimConfig, validate
 from parallelisms.grad_norm import clip_coefficient
-from training.optim import AdamW, build_optimizer, clipped_step
+from training.optim import AdamW, build_optimizer, clipped_step, queue_step
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 STEPS = 20
@@ -81,6 +82,42 @@ def test_the_clip_inside_the_update_is_the_clip_of_the_gradients_first(state_dty
     assert all(torch.equal(p.grad, g * clip_coefficient(1.0, 2.0)) for p, g in zip(params, grads[0]))
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_step_queued_before_the_read_is_the_step_the_host_would_take(state_dtype: torch.dtype) -> None:
+    """queue_step decides on the device what the trainer decides on the host after its read: the clip, and no
+    update where the norm or a loss is not finite (then ``rewind``). Parameters, moments and step counters equal,
+    to the bit, those of clipped_step on the steps the host applies and nothing on the others."""
+    norms = [4.0 if step % 3 else 0.5 for step in range(STEPS)]
+    losses = [[1.0, 0.1, 0.0]] * STEPS
+    norms[4], losses[9], norms[13] = float("nan"), [1.0, float("inf"), 0.0], float("inf")  # steps not applied
+    runs = []
+    for queued in (True, False):
+        init, grads = _problem()
+        params = [torch.nn.Parameter(p.clone()) for p in init]
+        model = torch.nn.ParameterList(params)
+        optimizer = AdamW([{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
+                          **HYPER, state_dtype=state_dtype)
+        for step_grads, norm, step_losses in zip(grads, norms, losses):
+            for p, grad in zip(params, step_grads):
+                p.grad = grad.clone()
+            finite = all(map(math.isfinite, [norm, *step_losses]))
+            if queued:
+                assert queue_step(optimizer, 1.0, torch.tensor(norm), torch.tensor(step_losses))
+                if not finite:
+                    optimizer.rewind()
+            elif finite:
+                clipped_step(optimizer, model, 1.0, norm)
+        runs.append((params, optimizer))
+    (got, got_opt), (want, want_opt) = runs
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+        assert set(got_opt.state[a]) == set(want_opt.state[b]) == {"step", "exp_avg", "exp_avg_sq"}
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got_opt.state[a][key], want_opt.state[b][key]), key
+    assert float(got_opt.state[got[0]]["step"]) == STEPS - 3
+    assert not queue_step(torch.optim.AdamW(got), 1.0, torch.tensor(1.0), torch.ones(3))  # torch's: after the read
+
+
 def test_bfloat16_moments_follow_fp32_adamw_closely_with_half_the_state() -> None:
     init, _ = _problem()
     want, fp32 = _train(lambda groups: torch.optim.AdamW(groups, **HYPER, foreach=False))
@@ -145,3 +182,32 @@ def test_bfloat16_state_resumes_exactly_and_a_float32_checkpoint_converts_when_a
     resumed = train.run(tiny_run_config("train.steps=4", bf16, f"train.resume={fp32_ckpt}",
                                         "train.allow_changes=[optim.state_dtype]", f"train.output_dir={tmp_path / 'f'}"))
     assert [m["step"] for m in resumed] == [3, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton AdamW)")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_update_gated_on_the_device_is_the_host_scaled_one_or_nothing(state_dtype: torch.dtype) -> None:
+    """The Triton pass with a device ``gate`` [coefficient, applies]: to the bit the pass with the coefficient as a
+    host float where it applies (0.5: exact in both), and no write at all where it does not."""
+    from kernels.triton_adamw import adamw_step
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = (1 << 20) + 3  # a partial last block
+    p0, g = (torch.randn(n, device="cuda", generator=gen) for _ in range(2))
+    m0 = (torch.randn(n, device="cuda", generator=gen) * 1e-2).to(state_dtype)
+    v0 = (torch.randn(n, device="cuda", generator=gen) * 1e-2).square().to(state_dtype)
+    hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0)
+
+    def run(**how):
+        p, m, v, copy = p0.clone(), m0.clone(), v0.clone(), torch.zeros_like(p0, dtype=torch.bfloat16)
+        adamw_step(p, g, m, v, p_copy=copy, **hyper, **how)
+        return p, m, v, copy
+
+    host = run(grad_scale=0.5)
+    applied = run(gate=torch.tensor([0.5, 1.0], device="cuda"))
+    refused = run(gate=torch.tensor([0.5, 0.0], device="cuda"))
+    for a, b in zip(applied, host, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(refused, (p0, m0, v0, torch.zeros_like(p0, dtype=torch.bfloat16)), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(host[0], p0)

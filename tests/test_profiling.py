@@ -56,6 +56,7 @@ def test_summary_merges_overlaps_and_measures_exposed_communication():
     assert rows["wall time"] == ["50.00", "100.0%"]
     assert rows["compute kernels busy (union over streams)"] == ["30.00", "60.0%"]  # (50 + 10) / 2
     assert rows["GPU idle (no compute kernel running)"] == ["20.00", "40.0%"]
+    assert rows["GPU idle from the first compute kernel to the last"] == ["10.00", "20.0%"]  # 50-70 in 0-80
     assert rows["communication (union)"] == ["15.00", "30.0%"]
     assert rows["exposed communication (not overlapped by compute)"] == ["10.00", "20.0%"]  # (10 + 10) / 2
     # Category times are summed per kernel (overlap counts twice): 30 + 30 + 10 + 30 = 100 ms.

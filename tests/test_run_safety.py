@@ -178,6 +178,32 @@ def _fsize_limit(limit: int):
     return apply
 
 
+def test_a_disk_too_small_for_the_saves_is_said_at_start_up(tiny_run_config, tmp_path, monkeypatch, caplog):
+    """The GPU machine's 64 GiB held a 4-layer Qwen3.5 checkpoint (49 GiB) but not the final weights after it: a run
+    that cannot write its saves says so before its first step, with what it needs and the fixes."""
+    cfg = tiny_run_config("train.steps=2", "optim.state_dtype=bfloat16")
+    model = torch.nn.Linear(10, 10)  # 110 fp32 parameters: 440 bytes, bf16 moments 440 more
+    assert ckpt.save_sizes(model, torch.bfloat16) == (880, 440)
+    out = Path(cfg.train.output_dir)
+    # Both under tmp_path, one file system: added up; a folder not made yet is measured at its nearest parent.
+    assert ckpt.space_warnings({out / "checkpoints": 1, out: 1}) == []
+    free = shutil.disk_usage(tmp_path).free
+    (line,) = ckpt.space_warnings({out / "checkpoints": free // 2 + 1, out: free // 2 + 1})
+    assert f"GiB free on {tmp_path}" in line and "train.save_final=false" in line
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with caplog.at_level("WARNING", logger="train"):
+        train.run(cfg)
+    (warning,) = [r.message for r in caplog.records if "GiB free" in r.message]
+    assert "but this run writes" in warning
+    caplog.clear()
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    with caplog.at_level("WARNING", logger="train"):
+        train.run(tiny_run_config("train.steps=2", f"train.output_dir={tmp_path / 'roomy'}"))
+    assert caplog.records and not [r for r in caplog.records if "GiB free" in r.message]  # the warmup warning only
+
+
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_previous_stays_usable(tiny_run_config, tmp_path):
     cfg = tiny_run_config("train.steps=2", "checkpoint.interval=2", f"data.path={tmp_path / 'tokens.npy'}",
                           "train.local_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}")

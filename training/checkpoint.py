@@ -283,6 +283,39 @@ _WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file
                  "ulimit -f)", errno.EDQUOT: "disk quota exceeded"}
 
 
+def save_sizes(model: nn.Module, moment_dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of one checkpoint (the weights and AdamW's two moments, all ranks together) and of the final weights
+    (``save_model_weights``), from the parameters' global sizes: an estimate before anything is written."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = 2 * sum(p.numel() for p in model.parameters() if p.requires_grad) * moment_dtype.itemsize
+    return weights + moments, weights
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def space_warnings(needs: dict[Path, int]) -> list[str]:
+    """One line per file system that has less free space than ``needs`` (path -> bytes to be written under it)
+    add up to there: a run that would train for hours and then fail at its save (a checkpoint of a 4-layer
+    Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/benchmarks.md)."""
+    totals: dict[int, list] = {}  # file system -> [a folder on it, bytes]
+    for path, size in needs.items():
+        where = _existing(path)
+        totals.setdefault(where.stat().st_dev, [where, 0])[1] += size
+    lines = []
+    for where, size in totals.values():
+        free = shutil.disk_usage(where).free
+        if free < size:
+            lines.append(f"{free / 2**30:.1f} GiB free on {where}, but this run writes {size / 2**30:.1f} GiB there at "
+                         "its save (one checkpoint: weights and optimizer moments; and train.save_final's weights): "
+                         "it would fail then. Free space, point checkpoint.dir or train.output_dir elsewhere, or set "
+                         "train.save_final=false")
+    return lines
+
+
 def write_failure(e: BaseException, what: str, path: Path) -> str | None:
     """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what
     it wraps: DCP gathers every rank's exception) is a failed write, else None. torch's zip writer reports a full

@@ -70,9 +70,11 @@ class AdamW(torch.optim.Optimizer):
                     state[key] = state[key].to(self.state_dtype)
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0):
+    def step(self, closure=None, grad_scale: float = 1.0, gate: torch.Tensor | None = None):
         """One update of every parameter with a gradient, on the gradients times ``grad_scale`` (the clip
-        coefficient: applied inside the update, the ``.grad`` tensors are left as they are)."""
+        coefficient: applied inside the update, the ``.grad`` tensors are left as they are). ``gate``: instead, the
+        coefficient and whether the update applies, on the device (``queue_step``); where it does not, the
+        parameters and moments stay as they were and the caller calls ``rewind``."""
         if closure is not None:
             raise NotImplementedError("AdamW.step takes no closure")
         for group in self.param_groups:
@@ -89,9 +91,17 @@ class AdamW(torch.optim.Optimizer):
                 adamw_step_(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                             weight_decay=group["weight_decay"], step=float(state["step"]), grad_scale=grad_scale,
-                            p_copy=copies.get(p))
+                            p_copy=copies.get(p), gate=gate)
             copies_written(list(copies))
         return None
+
+    def rewind(self) -> None:
+        """After a gated step the device did not apply: the host step counters of the parameters it would have
+        updated (those with a gradient still) back by one, so the next update's bias correction is the same."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["step"] -= 1
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float, norm: float) -> None:
@@ -105,6 +115,20 @@ def clipped_step(optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: f
     if coef < 1:
         scale_grads_(model, coef)
     optimizer.step()
+
+
+def queue_step(optimizer: torch.optim.Optimizer, max_norm: float, norm: torch.Tensor, losses: torch.Tensor) -> bool:
+    """Queue the optimizer's step before the host has read the step's gradient norm and losses, where the
+    optimizer can take the decision on the device (``AdamW`` above): clipped to ``max_norm`` (<= 0: not clipped)
+    and applied only if ``norm`` and every one of ``losses`` are finite. The device then goes from backward to the
+    update without waiting for the host to read, decide and launch. False, nothing queued, for torch's optimizers:
+    ``clipped_step`` after the read. After the read, a step that was not finite calls ``optimizer.rewind()``."""
+    if not isinstance(optimizer, AdamW):
+        return False
+    coef = clip_coefficient(max_norm, norm) if max_norm > 0 else torch.ones_like(norm)
+    applies = torch.isfinite(losses).all() & torch.isfinite(norm)
+    optimizer.step(gate=torch.stack([coef, applies.to(coef.dtype)]))
+    return True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -97,8 +97,13 @@ def summarize(kernels: list[KernelInterval], wall_s: float, steps: int) -> str:
     comm = _merge([(k.start_us, k.end_us) for k in kernels if category_of[k.name] == COMMUNICATION])
     busy_us, comm_us = _length(compute), _length(comm)
     exposed_us = comm_us - _intersection(comm, compute)
+    # The window opens on a synchronised device (StepProfiler.step_begin), so its wall also holds the first step's
+    # lead-in (the host fetches the batch and launches the first kernels on an idle device), which a steady-state
+    # step hides behind the step before's optimizer. The idle from the first kernel to the last leaves that out.
+    span_us = compute[-1][1] - compute[0][0] if compute else 0.0
     lines += [row("compute kernels busy (union over streams)", busy_us),
               row("GPU idle (no compute kernel running)", max(wall_s * 1e6 - busy_us, 0.0)),
+              row("GPU idle from the first compute kernel to the last", span_us - busy_us),
               row("communication (union)", comm_us),
               row("exposed communication (not overlapped by compute)", exposed_us)]
 

@@ -32,6 +32,9 @@ class Dispatcher(ABC):
     """
 
     name: ClassVar[str]  # the registered name, dispatcher.name (set by @register)
+    # May drop rows (a static capacity): the host learns of it after the step's read, so the trainer must not
+    # queue the optimizer's update before that read.
+    drops_rows: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         """``group``: the ep process group (P ranks). ``num_experts``: E, all experts of the layer.

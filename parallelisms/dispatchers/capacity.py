@@ -66,6 +66,8 @@ class _ToSlots(torch.autograd.Function):
 
 @register("capacity")
 class CapacityDispatcher(Dispatcher):
+    drops_rows = True
+
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         super().__init__(group, num_experts, device_type)
         self.capacity_factor = DispatcherConfig.capacity_factor
