@@ -661,6 +661,7 @@ class StopSignal:
         self._dims, self._dev = dims, dev
         self.signum: int | None = None
         self.path: Path | None = None  # the checkpoint saved on the signal
+        self._pending: Callable[[], torch.Tensor] | None = None  # the flag the last call queued (several ranks)
         self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
 
     @property
@@ -676,11 +677,17 @@ class StopSignal:
             logger.warning("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)")
 
     def requested(self) -> bool:
+        """Whether to stop after this step. With several ranks any rank's signal stops all of them, through a flag
+        all-reduced each step and read one step late: reading this step's flag would wait for everything queued
+        before its all-reduce (the step's update), so each call queues its own and reads the one the call before
+        queued, long complete. Every rank reads the same flags at the same calls: all stop at one step, the one
+        after the signal's."""
         if self._dims.world_size == 1:
             return self.signum is not None
-        flag = torch.tensor([float(self.signum is not None)], device=self._dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank's signal stops all of them at the same step
-        return bool(flag.item())
+        flag = torch.full((1,), float(self.signum is not None), device=self._dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        previous, self._pending = self._pending, device.queued_read(flag)
+        return previous is not None and previous().tolist()[0] > 0
 
     def restore(self) -> None:
         for s, previous in self._previous.items():

@@ -22,6 +22,7 @@ import torch
 
 import train
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
+from tests.dist_utils import run_distributed
 from training import checkpoint as ckpt
 from training.config import COMPILE_VERDICT, config_warnings
 from training.launch import failure_line
@@ -267,6 +268,28 @@ def test_ctrl_c_checkpoints_and_exits_130_with_one_line(tmp_path):
     assert saved.name == f"step_{stopped:08d}"
     assert "Traceback" not in stderr and f"interrupted: Ctrl-C: stopped after saving checkpoint {saved}" in stderr
     assert len([line for line in stderr.splitlines() if line.startswith("interrupted:")]) == 1
+
+
+def _stop_calls(rank: int, world_size: int) -> list[bool]:
+    dims = type("Dims", (), {"world_size": world_size})()
+    stop = train.StopSignal(dims, torch.device("cpu"))
+    try:
+        answers = []
+        for call in range(5):
+            if rank == 1 and call == 2:
+                stop.signum = signal.SIGTERM  # as its handler would: this rank alone got the signal
+            answers.append(stop.requested())
+        every_rank = [None] * world_size
+        torch.distributed.all_gather_object(every_rank, answers)
+        return every_rank
+    finally:
+        stop.restore()
+
+
+def test_ranks_stop_at_one_step_on_one_ranks_signal():
+    """Several ranks: a signal that reaches one rank during step 3 stops every rank after step 4 (the flag is read
+    a step late, so the read never waits for the step's update on the device)."""
+    assert run_distributed(_stop_calls, 2) == [[False, False, False, True, True]] * 2
 
 
 def test_a_second_ctrl_c_stops_at_once():
