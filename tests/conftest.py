@@ -35,12 +35,14 @@ TINY_MODEL = [
 
 def compose_config(overrides: list[str]) -> TrainConfig:
     """The TrainConfig that ``python train.py <overrides>`` would run with, but with data.cache_dir in the session's
-    temporary cache (not the repository's .cache/data) unless ``overrides`` set it."""
+    temporary cache (not the repository's .cache/data) and Python's automatic GC (``train.gc_every=0``) unless
+    ``overrides`` set them: the manual GC's full collection at the start of each run walks the whole test session's
+    heap (about 8% of the run-heavy test files' time); tests/test_train.py checks the manual GC itself."""
     register_schema()
     cache = os.environ.get(DATA_CACHE_ENV)
+    defaults = [*([f"data.cache_dir={cache}"] if cache else []), "train.gc_every=0"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_train_config(compose(config_name="config",
-                                       overrides=[*([f"data.cache_dir={cache}"] if cache else []), *overrides]))
+        return to_train_config(compose(config_name="config", overrides=[*defaults, *overrides]))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -150,7 +150,7 @@ def test_execution_settings_may_change_and_are_listed(config, run_dir, caplog):
         resumed = train.run(config("train.steps=4", f"train.resume={step2}", "train.discard_newer=true",
                                    "train.gc_every=7", "logging.log_every=2"))
     assert [m["step"] for m in resumed] == [3, 4]
-    assert "train.gc_every: 50 -> 7" in caplog.text and "logging.log_every: 1 -> 2" in caplog.text
+    assert "train.gc_every: 0 -> 7" in caplog.text and "logging.log_every: 1 -> 2" in caplog.text
 
 
 @pytest.mark.parametrize("change", [("optim.lr=1e-3", "optim.lr"), ("train.steps=8", "train.steps")])
