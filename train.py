@@ -193,7 +193,7 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
                                                                                grad_norm, losses)
     loss, aux_loss, z_loss, norm = read_stats().tolist()  # the step's one host sync
     parallelisms.raise_if_dispatch_overflowed(model)  # dispatcher=capacity: a step that dropped rows is not applied
-    finite = math.isfinite(loss) and math.isfinite(norm) and math.isfinite(aux_loss) and math.isfinite(z_loss)
+    finite = all(map(math.isfinite, (loss, aux_loss, z_loss, norm)))  # what queue_step decided on the device
     if queued and not finite:
         optimizer.rewind()  # the device did not apply it
     if not finite and cfg.train.nonfinite == "stop":

@@ -100,7 +100,7 @@ def test_non_finite_steps_follow_the_policy(tiny_run_config, tmp_path, policy, s
 
 
 def _saved_tensors(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor a checkpoint holds (weights, optimizer state and step counters), by dotted key."""
+    """Every tensor a checkpoint holds (weights, optimizer state and step counters), by its key path."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.utils._pytree import tree_flatten_with_path, keystr
 

@@ -291,10 +291,9 @@ def save_sizes(model: nn.Module, moment_dtype: torch.dtype) -> tuple[int, int]:
     return weights + moments, weights
 
 
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest parent that exists: where the free space of a file yet to be written is measured."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("/"))
 
 
 def space_warnings(needs: dict[Path, int]) -> list[str]:
@@ -303,7 +302,7 @@ def space_warnings(needs: dict[Path, int]) -> list[str]:
     Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/benchmarks.md)."""
     totals: dict[int, list] = {}  # file system -> [a folder on it, bytes]
     for path, size in needs.items():
-        where = _existing(path)
+        where = _nearest_existing(path)
         totals.setdefault(where.stat().st_dev, [where, 0])[1] += size
     lines = []
     for where, size in totals.values():
@@ -333,7 +332,7 @@ def write_failure(e: BaseException, what: str, path: Path) -> str | None:
         if code not in _WRITE_ERRNOS and not (isinstance(cause, RuntimeError) and (
                 "unexpected pos" in str(cause) or "failed writing" in str(cause))):
             continue
-        where = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+        where = _nearest_existing(path)
         free = shutil.disk_usage(where).free
         why = _WRITE_ERRNOS.get(code) or ("no space left on the device" if free < 64 << 20 else
                                           "file too large (a file-size limit: ulimit -f) or a quota")
