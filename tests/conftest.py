@@ -8,6 +8,7 @@ directory, a ``.cache/data`` corpus: what a run writes when no directory is give
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator
@@ -33,16 +34,23 @@ TINY_MODEL = [
 ]
 
 
+# Composed configs by their full override list: Hydra's compose takes ~0.5 s of CPU, and a spawned rank that composes
+# the same overrides for every layout it builds pays it 8x over on 2 cores. Failures are not cached.
+_COMPOSED: dict[tuple[str, ...], TrainConfig] = {}
+
+
 def compose_config(overrides: list[str]) -> TrainConfig:
     """The TrainConfig that ``python train.py <overrides>`` would run with, but with data.cache_dir in the session's
     temporary cache (not the repository's .cache/data) and Python's automatic GC (``train.gc_every=0``) unless
     ``overrides`` set them: the manual GC's full collection at the start of each run walks the whole test session's
     heap (about 8% of the run-heavy test files' time); tests/test_train.py checks the manual GC itself."""
-    register_schema()
     cache = os.environ.get(DATA_CACHE_ENV)
-    defaults = [*([f"data.cache_dir={cache}"] if cache else []), "train.gc_every=0"]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_train_config(compose(config_name="config", overrides=[*defaults, *overrides]))
+    key = (*([f"data.cache_dir={cache}"] if cache else []), "train.gc_every=0", *overrides)
+    if key not in _COMPOSED:
+        register_schema()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            _COMPOSED[key] = to_train_config(compose(config_name="config", overrides=list(key)))
+    return copy.deepcopy(_COMPOSED[key])  # a test may change its copy
 
 
 @pytest.fixture(scope="session", autouse=True)
