@@ -6,6 +6,8 @@ import importlib.resources
 import dataclasses
 import json
 import random
+import resource
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from core.constants import IGNORE_INDEX
+from training.data import cache as cache_module
 from training.data.config import DataConfig, validate_data_config
 from training.data.loader import build_data_loader
 from training.data.packing import context_shard
@@ -389,6 +392,30 @@ def test_empty_jsonl_names_data_path(tmp_path: Path) -> None:
     cfg = _jsonl_cfg(tmp_path / "empty.jsonl", [b"", b"  ", b""])
     with pytest.raises(ValueError, match=r"data.path=.*empty\.jsonl holds no documents .* point data.path"):
         _loader(cfg)
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path: Path, monkeypatch) -> None:
+    """A file-size limit (what a full disk is to numpy: an OSError without an errno) around the real cache write:
+    the error names the cache file, its size, the free space and data.cache_dir; no partial file is left."""
+    def limited(path, array, write=cache_module.atomic_write_npy):
+        handler, limits = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
+        try:
+            write(path, array)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, handler)
+
+    monkeypatch.setattr(cache_module, "atomic_write_npy", limited)
+    row = b'{"messages": [' + _MSG + b', {"role": "assistant", "content": "hello there"}]}'
+    cfg = _jsonl_cfg(tmp_path / "d.jsonl", [row] * 40)
+    with pytest.raises(OSError, match=r"could not write the tokenized-corpus cache .*cache/jsonl-qwen3-\w+\.npy "
+                                      r"\(0\.00 GiB; [\d.]+ GiB free there\): \d+ requested and \d+ written\. .*"
+                                      r"point data\.cache_dir at a folder with room"):
+        _loader(cfg)
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".npy" or ".tmp-" in p.name]
+    monkeypatch.undo()
+    assert len(_all_windows(cfg)[0]) > 0  # with room, the same corpus tokenizes and caches
 
 
 def test_changed_file_is_revalidated_not_served_from_cache(tmp_path: Path) -> None:

@@ -79,11 +79,24 @@ def tokenized_corpus(cfg: DataConfig, tokenizer: str) -> TokenizedCorpus:
             logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", corpus.source,
                         sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
                         len(manifest.shards))
-        atomic_write_npy(cache, stream)
-        atomic_write_text(_record_file(cache), json.dumps(record_paths([cache])[cache]))
+        _write_cache(cache, stream)
         if corpus is not None and locked:  # unlocked, another process may still be writing shards there
             shutil.rmtree(shards, ignore_errors=True)
     return TokenizedCorpus(stream, source_sha256)
+
+
+def _write_cache(cache: Path, stream: np.ndarray) -> None:
+    """The cache file and its record, atomically. A failed write is one line naming the file, its size and the free
+    space there: numpy reports a full disk or a file-size limit without an errno ("Not enough free space to write
+    ...", "... requested and ... written"), which alone does not say which file or what to do."""
+    try:
+        atomic_write_npy(cache, stream)
+        atomic_write_text(_record_file(cache), json.dumps(record_paths([cache])[cache]))
+    except OSError as e:
+        free = shutil.disk_usage(cache.parent).free
+        raise OSError(f"could not write the tokenized-corpus cache {cache} ({stream.nbytes / 2**30:.2f} GiB; "
+                      f"{free / 2**30:.2f} GiB free there): {e}. Free space there, or point data.cache_dir at a "
+                      "folder with room") from e
 
 
 def _record_file(cache: Path) -> Path:
