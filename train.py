@@ -32,6 +32,7 @@ import parallelisms
 from core import device
 from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
+from models.causal_lm import trained_rows
 from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
                           read_hf_config)
 from models.layers import known_documents
@@ -170,7 +171,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
     summarise = routing or args.router_bias_update_rate > 0  # the summary's readers: the logs, the bias update
     for batch in batches:
         with autocast:
-            out = model(batch["input_ids"], batch["position_ids"], batch["labels"], packed=batch["packed"])
+            out = model(batch["input_ids"], batch["position_ids"], batch["labels"], packed=batch["packed"],
+                        trained_rows=batch["trained_rows"])
         ce = out.loss_sum / num_tokens
         aux, z = (share / len(batches) for share in router_loss_shares(out.router_stats, args.num_experts,
                                                                          dims.data_group))
@@ -306,12 +308,15 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             windows = [next(loader) for _ in range(cfg.train.grad_accum_steps)]
             # Whether a window is packed, and its documents' offsets, read here on the host from this rank's whole
             # sequences (before the cp split): the forward then asks the device nothing (a read that would wait for
-            # the step before to finish before it could queue), and the attended FLOPs count the same documents.
+            # the step before to finish before it could queue), and the attended FLOPs count the same documents (and
+            # the LM head over the trained labels only, as each rank's ``trained_rows`` below has it computed).
             packed = [known_documents(window["position_ids"], dev) for window in windows]
-            attended = sum(attended_flops_per_token(model_args, known, tuple(window["input_ids"].shape))
+            attended = sum(attended_flops_per_token(model_args, known, tuple(window["input_ids"].shape),
+                                                    (window["labels"] != IGNORE_INDEX).double().mean().item())
                            for known, window in zip(packed, windows)) / len(windows)
             shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
-            batches = [{**device.to_device(shard, dev), "packed": known} for shard, known in zip(shards, packed)]
+            batches = [{**device.to_device(shard, dev), "packed": known,
+                        "trained_rows": trained_rows(shard["labels"], dev)} for shard, known in zip(shards, packed)]
             data_time = time.perf_counter() - data_start  # host time, overlapping the previous step's optimizer
         lr = scheduler.get_last_lr()[0]
         logs = StepLogs.at(step, cfg, last=step == steps[-1], evaluates=bool(val_batches))

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Mapping
 import torch
 import torch.nn as nn
 
+from core.constants import IGNORE_INDEX
+from core.device import queued_copy
 from kernels.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entropy_sum, softmax_cross_entropy_
 from models.init import ShardedInit, constant, normal
 from models.layers import DenseMaskAttention, Documents, KnownDocuments, RMSNorm, document_ids
@@ -39,10 +41,26 @@ class LMHead(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self.ce_fn: SoftmaxCrossEntropy = softmax_cross_entropy_
 
-    def forward(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor | None = None,
+                rows_N: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits, or with ``labels_BT`` the summed cross-entropy; ``rows_N`` (``trained_rows``): only these
+        flat rows' logits are computed (the others' labels are ignored: no loss, zero gradient)."""
         if labels_BT is None:
             return super().forward(h_BTD)
-        return linear_cross_entropy_sum(h_BTD.flatten(0, 1), self.weight, labels_BT.flatten(), ce_fn=self.ce_fn)
+        h_ND, labels_N = h_BTD.flatten(0, 1), labels_BT.flatten()
+        if rows_N is not None:
+            h_ND, labels_N = h_ND.index_select(0, rows_N), labels_N.index_select(0, rows_N)
+        return linear_cross_entropy_sum(h_ND, self.weight, labels_N, ce_fn=self.ce_fn)
+
+
+def trained_rows(labels_BT: torch.Tensor, dev: torch.device) -> torch.Tensor | None:
+    """The ``trained_rows`` a forward on ``dev`` takes, from the host copy of a batch's labels: None when every label
+    is trained, else the flat indices [N] (into ``labels_BT.flatten()``) of the labels != IGNORE_INDEX, queued to
+    ``dev`` (no wait), so the LM head computes no logits for ignored rows and the device is asked nothing."""
+    trained_N = labels_BT.flatten() != IGNORE_INDEX
+    if trained_N.all():
+        return None
+    return queued_copy(trained_N.nonzero().squeeze(1), dev)
 
 
 class MoeDecoderLayer(nn.Module):
@@ -116,18 +134,20 @@ class MoeCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None, packed: bool | KnownDocuments | None = None
-                ) -> CausalLMOutput:
+                labels_BT: torch.Tensor | None = None, packed: bool | KnownDocuments | None = None,
+                trained_rows: torch.Tensor | None = None) -> CausalLMOutput:
         """``position_ids`` [B, T] (or a family's multimodal [3, B, T]); default 0..T-1 for every row.
         With ``labels_BT`` (already shifted, -100 = ignore) the output has ``loss_sum`` and no logits. ``packed``:
-        whether the rows hold several documents, where the caller knows (``models.layers.known_documents``)."""
+        whether the rows hold several documents, where the caller knows (``models.layers.known_documents``).
+        ``trained_rows``: the flat indices of the labels != -100 (``models.causal_lm.trained_rows``; None: every
+        row), the only rows the LM head computes logits for; the loss is the same either way."""
         if position_ids is None:
             position_ids = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
             packed = False
         h_BTD, stats = self.model(input_ids_BT, position_ids, packed)
         if labels_BT is None:
             return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
-        return CausalLMOutput(logits=None, router_stats=stats, loss_sum=self.lm_head(h_BTD, labels_BT))
+        return CausalLMOutput(logits=None, router_stats=stats, loss_sum=self.lm_head(h_BTD, labels_BT, trained_rows))
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

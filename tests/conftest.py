@@ -34,6 +34,22 @@ TINY_MODEL = [
 ]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Stop with one line where transformers would import the PyPI package ``kernels`` (a dependency from
+    transformers 5.25 on): its import name is this repository's kernels/, so every comparison against transformers
+    would fail with an ImportError inside transformers."""
+    try:
+        from transformers.utils.import_utils import is_kernels_available
+    except ImportError:
+        return
+    if is_kernels_available():
+        import transformers
+        raise pytest.UsageError(
+            f"transformers {transformers.__version__} imports the installed PyPI package `kernels`, which this "
+            "repository's kernels/ package shadows: install the test extra's pin (pip install -e '.[test]': "
+            "transformers<5.25) or pip uninstall kernels")
+
+
 # Composed configs by their full override list: Hydra's compose takes ~0.5 s of CPU, and a spawned rank that composes
 # the same overrides for every layout it builds pays it 8x over on 2 cores. Failures are not cached.
 _COMPOSED: dict[tuple[str, ...], TrainConfig] = {}

@@ -350,3 +350,19 @@ def test_attended_flops_count_each_documents_causal_half(family: str) -> None:
                                       (1, 32768))
     assert (packed - base) * 16 == pytest.approx(causal - base)
     assert (causal - base) * 2 == pytest.approx(args.flops_per_token(32768) - base)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attended_flops_count_the_lm_head_over_the_trained_labels_only(family: str) -> None:
+    """A window with half its labels ignored saves half the LM head's 6 x hidden x vocab per token, which
+    ``flops_per_token`` counts for an untied head only (a tied one is the embedding, left out with it)."""
+    args = models.build_args(family, FAMILIES[family])
+    tied = models.build_args(family, {**FAMILIES[family], "tie_word_embeddings": True})
+    head = 6 * args.hidden_size * args.vocab_size
+    assert args.flops_per_token(4) - tied.flops_per_token(4) == head
+    labels_BT = torch.randint(0, args.vocab_size, (2, 4))
+    labels_BT[:, ::2] = IGNORE_INDEX
+    half = (labels_BT != IGNORE_INDEX).double().mean().item()
+    for a, saved in ((args, head / 2), (tied, 0)):
+        every = attended_flops_per_token(a, False, (2, 4))
+        assert every - attended_flops_per_token(a, False, (2, 4), half) == pytest.approx(saved)

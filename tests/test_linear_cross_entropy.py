@@ -1,6 +1,7 @@
 """The chunked LM head + cross-entropy against ``F.cross_entropy(h @ w.T)``: loss and both gradients, ragged
 last chunk, ignored rows, no-grad mode, autocast, and through the model (with and without FSDP hooks: the
-layout tests in test_parallel_parity.py train through it)."""
+layout tests in test_parallel_parity.py train through it); the head over the trained rows only against the head
+over every row."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import torch.nn.functional as F
 
 from core.constants import IGNORE_INDEX
 from kernels.linear_cross_entropy import default_chunk_rows, linear_cross_entropy_sum, softmax_cross_entropy_
+from models.causal_lm import LMHead, trained_rows
+from tests.test_attention import FAMILIES, packed_inputs, tiny_model
+
+CPU = torch.device("cpu")
 
 
 def _inputs(rows: int = 37, dim: int = 16, vocab: int = 50, seed: int = 0):
@@ -116,6 +121,63 @@ def test_model_loss_sum_equals_cross_entropy_of_its_logits() -> None:
     out = model(input_ids_BT, labels_BT=labels_BT)
     assert out.logits is None
     torch.testing.assert_close(out.loss_sum, want, rtol=1e-5, atol=1e-4)
+
+
+def _head_loss_and_grads(head: LMHead, h_BTD: torch.Tensor, labels_BT: torch.Tensor,
+                         rows_N: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss = head(h_BTD, labels_BT, rows_N)
+    grad_h, grad_w = torch.autograd.grad(loss * 0.37, (h_BTD, head.weight))
+    return loss.detach(), grad_h, grad_w
+
+
+def test_lm_head_on_the_trained_rows_only_matches_every_row_and_cross_entropy() -> None:
+    torch.manual_seed(0)
+    head = LMHead(16, 50)
+    h_BTD = torch.randn(3, 12, 16, requires_grad=True)
+    labels_BT = torch.randint(0, 50, (3, 12))
+    labels_BT[torch.rand(3, 12) < 0.5] = IGNORE_INDEX
+    rows_N = trained_rows(labels_BT, CPU)
+    assert 0 < rows_N.numel() < labels_BT.numel()
+    want_loss, want_h, want_w = _reference(h_BTD.flatten(0, 1), head.weight, labels_BT.flatten(), scale=0.37)
+    for got_loss, got_h, got_w in (_head_loss_and_grads(head, h_BTD, labels_BT, rows_N),
+                                   _head_loss_and_grads(head, h_BTD, labels_BT, None)):
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(got_h.flatten(0, 1), want_h, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_lm_head_on_no_trained_rows_gives_zero_loss_and_gradients() -> None:
+    head = LMHead(16, 50)
+    h_BTD = torch.randn(2, 5, 16, requires_grad=True)
+    labels_BT = torch.full((2, 5), IGNORE_INDEX)
+    rows_N = trained_rows(labels_BT, CPU)
+    assert rows_N.shape == (0,)
+    loss, grad_h, grad_w = _head_loss_and_grads(head, h_BTD, labels_BT, rows_N)
+    assert loss.item() == 0 and grad_h.abs().max() == 0 and grad_w.abs().max() == 0
+
+
+def test_trained_rows_are_none_when_every_label_is_trained_else_their_flat_indices() -> None:
+    assert trained_rows(torch.randint(0, 50, (2, 6)), CPU) is None
+    rows_N = trained_rows(torch.tensor([[5, IGNORE_INDEX, 7], [IGNORE_INDEX, IGNORE_INDEX, 0]]), CPU)
+    assert rows_N.dtype == torch.int64 and rows_N.tolist() == [0, 2, 5]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_trains_the_same_on_the_trained_rows_only(family: str) -> None:
+    """Padding and an untrained prompt (``packed_inputs``): loss and every gradient as with the head on every row."""
+    input_ids_BT, position_ids_BT, labels_BT = packed_inputs()
+    rows_N = trained_rows(labels_BT, CPU)
+    assert rows_N is not None
+    results = []
+    for rows in (None, rows_N):
+        model = tiny_model(family)
+        loss = model(input_ids_BT, position_ids_BT, labels_BT, trained_rows=rows).loss_sum
+        loss.backward()
+        results.append([loss.detach(), *(p.grad for p in model.parameters())])
+    every, trained = results
+    assert len(every) == len(trained)
+    for want, got in zip(every, trained):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and triton)")

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 import train
 from models import build_args, get_spec
-from tests.conftest import TINY_MODEL, compose_config
+from tests.conftest import TINY_MODEL, compose_config, write_chats
+from training.data.tokenizer import QwenTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED_METRICS = {"step", "loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_s_per_device",
@@ -98,6 +99,34 @@ def test_automatic_gc_is_off_during_the_loop_and_back_after(tiny_run_config, mon
     train.run(tiny_run_config("train.steps=5", "train.gc_every=2"))
     assert seen_enabled == [False] * 5 and gc.isenabled()
     assert collected == [2, 1, 1]  # a full collection before the loop, then steps 2 and 4
+
+
+def test_masked_chats_train_the_same_with_the_lm_head_on_the_trained_rows_only(tmp_path, monkeypatch):
+    """data.mask_non_assistant=true: each batch takes its ``trained_rows``, and the run's losses and gradient norms
+    are those of the LM head over every row."""
+    chats = write_chats(tmp_path / "chats.jsonl")
+
+    def run(name: str) -> list[dict]:
+        return train.run(compose_config([
+            *TINY_MODEL, f"model.arch.vocab_size={QwenTokenizer().vocab_size}", "data=jsonl", f"data.path={chats}",
+            "data.mask_non_assistant=true", "data.seq_len=32", f"data.cache_dir={tmp_path / 'cache'}",
+            f"train.output_dir={tmp_path / name}", "train.steps=3", "train.local_batch_size=2",
+            "logging.tensorboard=false", "train.device=cpu"]))
+
+    selected = []
+
+    def recorded(labels_BT: torch.Tensor, dev: torch.device) -> torch.Tensor | None:
+        selected.append(trained_rows(labels_BT, dev))
+        return selected[-1]
+
+    trained_rows = train.trained_rows
+    monkeypatch.setattr(train, "trained_rows", recorded)
+    rows = run("rows")
+    assert len(selected) == 3 and all(rows_N is not None for rows_N in selected)
+    monkeypatch.setattr(train, "trained_rows", lambda labels_BT, dev: None)
+    every = run("every")
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in rows] == pytest.approx([m[key] for m in every], rel=1e-5)
 
 
 def test_unknown_config_key_is_rejected_by_name():
