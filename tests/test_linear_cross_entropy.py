@@ -192,3 +192,18 @@ def test_triton_step_matches_the_reference_on_cuda() -> None:
     torch.testing.assert_close(triton_step(got, labels_C), softmax_cross_entropy_(want, labels_C),
                                rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got, want, rtol=0, atol=4e-3)  # one bf16 rounding of the same fp32 values
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_validation_loss_on_masked_labels_is_the_mean_cross_entropy_of_the_logits(family: str) -> None:
+    """validation_loss (the head over the trained rows only) against F.cross_entropy of the full logits."""
+    from training.evaluate import validation_loss
+
+    input_ids_BT, position_ids_BT, labels_BT = packed_inputs()
+    model = tiny_model(family)
+    with torch.no_grad():
+        logits_BTV = model(input_ids_BT, position_ids_BT).logits
+    want = F.cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten(), ignore_index=IGNORE_INDEX)
+    batch = {"input_ids": input_ids_BT, "position_ids": position_ids_BT, "labels": labels_BT}
+    got = validation_loss(model, [batch], CPU, torch.autocast("cpu", enabled=False), None)
+    assert got == pytest.approx(want.item(), rel=1e-5)
