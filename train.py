@@ -707,20 +707,23 @@ class StopSignal:
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    with one_line_errors():  # bad input ends with one readable line; HYDRA_FULL_ERROR=1 for the traceback
-        cfg = job_config(to_train_config(dict_cfg))
-        if needs_torchrun(cfg.launch):
-            relaunch(cfg)
-            return
-        try:
+    # The error line (and under torchrun the rank's error file) is written before the process group is torn down:
+    # ranks that fail together can abort each other on the way out (gloo), and the launcher reports the rank that
+    # wrote its error, not the one that then aborted (training.launch.failure_line).
+    try:
+        with one_line_errors():  # bad input ends with one readable line; HYDRA_FULL_ERROR=1 for the traceback
+            cfg = job_config(to_train_config(dict_cfg))
+            if needs_torchrun(cfg.launch):
+                relaunch(cfg)
+                return
             run(cfg)
             if dist.is_initialized():
                 # Every rank leaves its last collective before any rank tears its process group down: a rank that
                 # exits while a peer still talks to it can abort the peer (seen with gloo).
                 dist.barrier()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def job_config(cfg: TrainConfig) -> TrainConfig:

@@ -401,8 +401,12 @@ def test_a_sweep_with_a_fixed_output_dir_puts_each_job_under_it(tmp_path):
 
 
 def _failure(exitcode: int, timestamp: int, message: str = ""):
-    """A stand-in for torchrun's ProcessFailure: what failure_line reads."""
-    return type("Failure", (), {"exitcode": exitcode, "timestamp": timestamp, "message": {"message": message}})()
+    """A stand-in for torchrun's ProcessFailure: what failure_line reads (``message``: what the rank wrote to its
+    error file; none written: torchrun's made-up message and an empty error_file_data)."""
+    made_up = f"Signal {-exitcode} received by PID 1" if exitcode < 0 else "To enable traceback see: ..."
+    data = {"message": message, "timestamp": timestamp} if message else {"message": "<NONE>"}
+    return type("Failure", (), {"exitcode": exitcode, "timestamp": timestamp, "message": message or made_up,
+                                "error_file_data": data})()
 
 
 def test_the_failed_rank_is_told_apart_from_the_ranks_torchrun_stopped(tmp_path):
@@ -417,5 +421,13 @@ def test_the_failed_rank_is_told_apart_from_the_ranks_torchrun_stopped(tmp_path)
     killed = {0: _failure(1, 1, "lost a peer rank (its process ended): RuntimeError: Connection reset by peer"),
               1: _failure(-signal.SIGKILL, 2)}
     assert failure_line(killed, tmp_path).startswith("rank 1 of the torchrun job was killed by SIGKILL (signal 9)")
+    # both raised; rank 1 aborted before it wrote its error, and torchrun stopped rank 0 after it wrote its own
+    both = {0: _failure(-signal.SIGTERM, 2, "CheckpointError: the checkpoint is damaged"),
+            1: _failure(-signal.SIGABRT, 1)}
+    assert failure_line(both, tmp_path) == ("rank 0 of the torchrun job failed: CheckpointError: the checkpoint is "
+                                            "damaged")
+    # a rank whose Python traceback is on stderr wrote no one-line error
+    crashed = {0: _failure(1, 1), 1: _failure(-signal.SIGTERM, 2)}
+    assert failure_line(crashed, tmp_path) == "rank 0 of the torchrun job failed (exit code 1): its traceback is above"
     stopped = {0: _failure(-signal.SIGTERM, 2), 1: _failure(-signal.SIGTERM, 1)}  # the job itself was stopped
     assert failure_line(stopped, tmp_path).startswith("rank 1 of the torchrun job was killed by SIGTERM (signal 15)")

@@ -77,9 +77,12 @@ _LOST_PEER = ("Connection reset by peer", "Connection closed by peer")
 _LOST_PEER_LINE = "lost a peer rank (its process ended)"  # how such a rank's one line starts
 
 
-def _message(failure: Any) -> str:
-    """A ProcessFailure's message (torchrun keeps the error file's JSON as a dict, or a string)."""
-    return failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+def _written_message(failure: Any) -> str:
+    """What a failed rank wrote to its error file ({"message", "timestamp"}: ``one_line_errors``), or '' where it
+    wrote none: torchrun then keeps {"message": "<NONE>"} as the file's data and makes a message up ("Signal 6
+    (SIGABRT) received by PID ...")."""
+    data = failure.error_file_data
+    return data["message"] if "timestamp" in data and isinstance(data.get("message"), str) else ""
 
 
 def _lost_peer(e: Exception) -> bool:
@@ -120,19 +123,27 @@ def failure_line(failures: dict, checkpoints: Path) -> str:
     """One line for a failed torchrun job (``failures``: ChildFailedError's, rank -> ProcessFailure), naming the
     cause, not its consequences: once one rank fails torchrun stops the others with SIGTERM (one may then abort,
     SIGABRT, on the way out) and the survivors of a killed rank lose their peer. So, in this order: a rank that
-    exited with its own error; a rank killed by a signal, with the checkpoint that resumes the run; a rank that
-    only lost its peer; torchrun's SIGTERM (the job itself was stopped). Within each, the earliest."""
+    failed with its own error (its exit code, or a signal that reached it after it wrote the error: ranks that
+    fail together can abort each other on the way out); a rank killed by a signal, with the checkpoint that
+    resumes the run; a rank that only lost its peer; torchrun's SIGTERM (the job itself was stopped). Within
+    each, the earliest."""
 
     def order(rank: int) -> tuple[int, int]:
-        f = failures[rank]
+        f, written = failures[rank], _written_message(failures[rank])
+        lost_peer = written.startswith(_LOST_PEER_LINE)
+        if written and not lost_peer:
+            return 0, f.timestamp
         if f.exitcode == -signal.SIGTERM:
             return 3, f.timestamp
         if f.exitcode < 0:
             return 1, f.timestamp
-        return (2 if _message(f).startswith(_LOST_PEER_LINE) else 0), f.timestamp
+        return (2 if lost_peer else 0), f.timestamp
 
     rank = min(failures, key=order)
     failure = failures[rank]
+    message = _written_message(failure)
+    if message and failure.exitcode < 0:
+        return f"rank {rank} of the torchrun job failed: {message}"
     if failure.exitcode < 0:
         code = -failure.exitcode
         newest = complete_checkpoints(checkpoints)
@@ -140,7 +151,5 @@ def failure_line(failures: dict, checkpoints: Path) -> str:
                   f"no checkpoint was written under {checkpoints}; train.resume=auto starts the run again")
         return (f"rank {rank} of the torchrun job was killed by {signal.Signals(code).name} (signal {code}); the "
                 f"other ranks were stopped with it; {resume}")
-    message = _message(failure)
-    if not message or message.startswith("To enable traceback"):
-        message = "its traceback is above"
+    message = message or "its traceback is above"
     return f"rank {rank} of the torchrun job failed (exit code {failure.exitcode}): {message}"
