@@ -31,6 +31,10 @@ class MoeArgs:
     max_position_embeddings: int = 40960
     initializer_range: float = 0.02
 
+    def lm_head_params(self) -> int:
+        """The LM head's own parameters: none when it is the tied embedding (counted as the embedding)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
     def validate(self) -> None:
         """Raise ValueError naming the ``model.arch`` key; a family adds its own checks after these."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim", "moe_intermediate_size"):

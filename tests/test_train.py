@@ -113,13 +113,12 @@ def test_masked_chats_train_the_same_with_the_lm_head_on_the_trained_rows_only(t
             f"train.output_dir={tmp_path / name}", "train.steps=3", "train.local_batch_size=2",
             "logging.tensorboard=false", "train.device=cpu"]))
 
-    selected = []
+    selected, trained_rows = [], train.trained_rows
 
     def recorded(labels_BT: torch.Tensor, dev: torch.device) -> torch.Tensor | None:
         selected.append(trained_rows(labels_BT, dev))
         return selected[-1]
 
-    trained_rows = train.trained_rows
     monkeypatch.setattr(train, "trained_rows", recorded)
     rows = run("rows")
     assert len(selected) == 3 and all(rows_N is not None for rows_N in selected)

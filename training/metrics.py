@@ -201,8 +201,7 @@ def attended_flops_per_token(args: Any, packed: KnownDocuments | bool, shape_BT:
     per_pair = args.flops_per_token(1) - base
     rows, seq_len = shape_BT
     lengths_n = packed.lengths_n if packed else torch.full((rows,), seq_len)
-    head = 0 if args.tie_word_embeddings else 6 * args.hidden_size * args.vocab_size  # tied: not in flops_per_token
-    return (base - head * (1 - trained_fraction)
+    return (base - 6 * args.lm_head_params() * (1 - trained_fraction)
             + per_pair * lengths_n.double().square().sum().item() / 2 / (rows * seq_len))
 
 

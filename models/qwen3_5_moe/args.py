@@ -93,7 +93,7 @@ class Qwen3_5MoeArgs(MoeArgs):
         expert = 3 * D * self.moe_intermediate_size
         dense = mixers + len(types) * (moe_dense + 2 * D) + D  # + two norms per layer, final norm
         embed = self.vocab_size * D
-        head = 0 if self.tie_word_embeddings else self.vocab_size * D
+        head = self.lm_head_params()
         total = embed + head + dense + len(types) * E * expert
         active = embed + head + dense + len(types) * K * expert
         return total, active, embed

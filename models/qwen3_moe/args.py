@@ -24,7 +24,7 @@ class Qwen3MoeArgs(MoeArgs):
         expert = 3 * D * self.moe_intermediate_size
         dense_per_layer = attn + E * D + 2 * D  # + router + two norms
         embed = self.vocab_size * D
-        head = 0 if self.tie_word_embeddings else self.vocab_size * D
+        head = self.lm_head_params()
         total = embed + head + D + L * (dense_per_layer + E * expert)
         active = embed + head + D + L * (dense_per_layer + K * expert)
         return total, active, embed
