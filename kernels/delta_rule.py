@@ -142,15 +142,25 @@ def chunk_gated_delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """q, k [B, T, h, k]; v [B, T, H, v]; g (log decay, <= 0), beta [B, T, H]; initial_state [B, H, k, v].
     Returns o [B, T, H, v] in v's dtype and the final state [B, H, k, v] in fp32 (or None). With ``cu_seqlens``
-    (n + 1 offsets, batch of one): n sequences, initial_state and the final states [n, H, k, v]; ``cu_seqlens_cpu``:
-    the same offsets on the host, where the caller knows them (FLA's argument): then nothing is read back.
+    (n + 1 offsets into the flattened B x T tokens, every row starting a sequence; FLA takes a batch of one): n
+    sequences, initial_state and the final states [n, H, k, v]; ``cu_seqlens_cpu``: the same offsets on the host,
+    where the caller knows them (FLA's argument): then nothing is read back.
 
     Within a chunk, with gamma_i the cumulative log decay from the chunk start, the deltas
     ``delta_i = beta_i (v_i - S_{i-1}^T k_i e^{g_i})`` solve the unit lower-triangular system
     ``(I + L) delta = beta v - (beta e^gamma k) S_0`` with ``L_ij = beta_i e^{gamma_i - gamma_j} k_i.k_j`` (i > j):
     two triangular solves per chunk, then one sequential step per chunk instead of per token.
     """
-    T = q.shape[1]
+    B, T = q.shape[:2]
+    if cu_seqlens is not None and B > 1:  # rows of packed documents: the same sequences, the rows flattened
+        bounds = set((cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist())
+        if not bounds >= set(range(0, B * T, T)):
+            raise ValueError(f"cu_seqlens over {B} rows of {T} tokens must start a sequence at every row start")
+        o, state = chunk_gated_delta_rule(*(x.flatten(0, 1)[None] for x in (q, k, v, g, beta)), scale=scale,
+                                          initial_state=initial_state, output_final_state=output_final_state,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+                                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return o.view(B, T, *o.shape[2:]), state
     q_BHTk, k_BHTk, v_BHTv, g_BHT, beta_BHT = _head_major_fp32(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     C, k_dim, lanes = chunk_size, k_BHTk.shape[-1], None
     if cu_seqlens is None:

@@ -70,16 +70,50 @@ def host_chunk_indices(cu_seqlens_cpu: torch.Tensor, chunk_size: int, dev: torch
     return queued_copy(indices_N2, dev)
 
 
+# A document's first token gets this log decay in place of its own. The gated rule's decay is g <= 0 at every token
+# (the model's -exp(A) softplus(.)), so the state carried into the document, and every pair of tokens across its
+# start, is scaled by at most exp(-128), which is 0 in fp32 (below its smallest subnormal, e^-103): the document
+# starts from an empty state, as in a sequence of its own. That token's own g only ever scales that empty state, so
+# its gradient is 0 either way (index_fill gives it none). 128 rather than more: the decays of the tokens after it
+# in its chunk are differences of cumulative sums about 128 lower, and 128 costs them ~1e-5 of fp32 precision.
+DOCUMENT_RESET_G = -128.0
+# The reset launch runs each row as one sequence: FLA's state pass is sequential over a row's chunks and parallel
+# over rows x value heads, so it pays only with enough rows to fill the GPU (measured on an H200, Qwen3.5's 32
+# value heads: docs/benchmarks.md); fewer rows take FLA's variable-length launch.
+RESET_MIN_ROWS = 2
+
+
+def documents_as_decay_reset(g_BTH: torch.Tensor, cu_seqlens_n1: torch.Tensor) -> torch.Tensor:
+    """The gate ``g`` of packed documents with every document's first token reset (``cu_seqlens`` over the
+    flattened B x T tokens)."""
+    return g_BTH.flatten(0, 1).index_fill(0, cu_seqlens_n1[:-1], DOCUMENT_RESET_G).view_as(g_BTH)
+
+
 def chunk_gated_delta_rule(chunk_size: int) -> Callable:
-    """FLA's chunked rule; packed sequences whose offsets the host knows (``cu_seqlens_cpu``) get their
-    ``chunk_indices`` from ``host_chunk_indices``."""
+    """FLA's chunked rule, taking packed documents as the torch reference does: ``cu_seqlens`` over the flattened
+    B x T tokens, every row starting a document.
+
+    With at least ``RESET_MIN_ROWS`` rows, FLA's launch for B sequences, each document's start reset through the
+    decay (``documents_as_decay_reset``): FLA's variable-length launch tiles every document in chunks of its own,
+    and a document's last chunk is partial (4k chat windows: 15% more chunks). Else that variable-length launch,
+    with ``chunk_indices`` from ``host_chunk_indices`` where the host knows the offsets (``cu_seqlens_cpu``)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    def rule(*args, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    def rule(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        kwargs["chunk_size"] = chunk_size
+        if cu_seqlens is None:
+            return fla_chunk(q, k, v, g=g, beta=beta, **kwargs)
+        if kwargs.get("initial_state") is not None or kwargs.get("output_final_state"):
+            raise NotImplementedError("FLA's chunked delta rule over packed documents (cu_seqlens) takes no "
+                                      "initial_state or output_final_state here (only training runs it so)")
+        if q.shape[0] >= RESET_MIN_ROWS:
+            return fla_chunk(q, k, v, g=documents_as_decay_reset(g, cu_seqlens), beta=beta, **kwargs)
         if cu_seqlens_cpu is not None:
             kwargs["chunk_indices"] = host_chunk_indices(cu_seqlens_cpu, chunk_size, cu_seqlens.device)
-        return fla_chunk(*args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
-                         **kwargs)
+        o_1NHv, _ = fla_chunk(*(x.flatten(0, 1)[None] for x in (q, k, v)), g=g.flatten(0, 1)[None],
+                              beta=beta.flatten(0, 1)[None], cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                              **kwargs)
+        return o_1NHv.view(*v.shape[:2], *o_1NHv.shape[2:]), None
 
     return rule
 

@@ -92,6 +92,7 @@ class Impl:
     # Why it cannot run in this environment, or None; raises if an explicitly requested package is missing.
     unavailable: Callable[[Env], str | None] = lambda env: None
     note: str = ""  # logged after the device: what the kernel still decides at run time
+    plugin: str | None = None  # the kernel_config.name entry that asks for it, where not the op's own (OpSpec)
 
 
 @dataclass(frozen=True)
@@ -221,10 +222,13 @@ OPS: dict[str, OpSpec] = {
     "fused_recurrent_gated_delta_rule": OpSpec(
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
-    # DeltaNet's short convolution and silu. FLA's Triton kernel runs on CUDA only (untried under triton-ascend
-    # here); listed by default, so an NPU run takes the torch one, and says so.
+    # DeltaNet's short convolution and silu: FLA's Triton kernel where kernel_config asks FLA for it, else ours
+    # (kernels/triton_short_conv.py). Both run on CUDA only (FLA's is untried under triton-ascend here), so an NPU
+    # run takes the torch one, and says so.
     "causal_conv1d_silu": OpSpec(
-        FLA, lambda cfg: causal_conv1d_silu, (Impl(FLA, ("cuda",), lambda cfg: fla.causal_conv1d_silu(), _needs_fla),),
+        AUTO, lambda cfg: causal_conv1d_silu,
+        (Impl(FLA, ("cuda",), lambda cfg: fla.causal_conv1d_silu(), _needs_fla, plugin=FLA),
+         Impl("triton", ("cuda",), _lazy("kernels.triton_short_conv", "causal_conv1d_silu"), _needs_triton)),
         reference_elsewhere=True),
     # The dispatch path. The K-to-one steps of the torch permutes (the EP dispatchers' gathers):
     "gather_sum": _dispatch(gather_sum_torch, _triton_permute("gather_sum")),
@@ -280,38 +284,58 @@ class Kernels:
             logger.info("kernel note: %s", fla.first_call_note())
 
 
+def _not_asked(op: str, plugin: str, cfg: KernelConfig) -> str | None:
+    """Why ``cfg`` does not ask for ``plugin``'s kernel of ``op`` (None: it does)."""
+    if plugin not in plugin_names(cfg):
+        return f"kernel_config.name does not include {plugin}"
+    if plugin == FLA and op not in cfg.include_kernels:
+        return "not in kernel_config.include_kernels"
+    return None
+
+
 def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
     def reference(reason: str) -> Choice:
         return Choice(op, "torch", reason, lambda: spec.reference(cfg))
 
-    if spec.plugin not in plugin_names(cfg):
-        return reference(f"kernel_config.name does not include {spec.plugin}")
-    if spec.plugin == FLA and op not in cfg.include_kernels:
-        return reference("not in kernel_config.include_kernels")
     named = getattr(cfg, spec.config_key) if spec.config_key else AUTO
     if named == "torch":
         return reference(f"kernel_config.{spec.config_key}=torch")
-    impls = spec.kernels if named == AUTO else tuple(impl for impl in spec.kernels if impl.name == named)
-    skipped = []
-    for impl in impls:
-        if env.device_type not in impl.device_types:
+    # An op's kernels may come from more than one plugin (DeltaNet's short convolution: FLA's where FLA is asked
+    # for it, else ours): each plugin's in turn, in the order listed, skipping the plugins not asked for.
+    plugins = list(dict.fromkeys(impl.plugin or spec.plugin for impl in spec.kernels))
+    why_not_asked = [why for why in (_not_asked(op, plugin, cfg) for plugin in plugins) if why]
+    if len(why_not_asked) == len(plugins):
+        return reference(why_not_asked[0])
+    whys = []
+    for plugin in plugins:
+        if _not_asked(op, plugin, cfg):
             continue
-        why_not = impl.unavailable(env)
-        if why_not is None:
-            reason = f"on {env.device_type}" + (f"; {impl.note}" if impl.note else "")
-            return Choice(op, impl.name, reason, lambda impl=impl: impl.build(cfg))
-        skipped.append(f"{impl.name}: {why_not}")
-    devices = sorted({d for impl in impls for d in impl.device_types})
-    why = "; ".join(skipped) or f"{spec.plugin if named == AUTO else named} has kernels for {', '.join(devices)} only"
-    if named != AUTO:
-        raise ValueError(f"kernel_config.{spec.config_key}={named} cannot run on {env.describe()}: {why}; fix: "
-                         f"kernel_config.{spec.config_key}={AUTO}")
-    # auto means "the best available"; a reference_elsewhere op has no kernel for this device: the reference it is.
-    if spec.plugin == AUTO or (spec.reference_elsewhere and not skipped):
-        return reference(why)
-    # A kernel asked for by name never silently becomes something else.
-    raise ValueError(f"kernel_config.name={cfg.name!r} asks for {spec.plugin}'s {op}, which cannot run on "
-                     f"{env.describe()}: {why}; fix: kernel_config=auto (the torch {op}), or make the kernel runnable")
+        impls = tuple(impl for impl in spec.kernels if (impl.plugin or spec.plugin) == plugin
+                      and named in (AUTO, impl.name))
+        skipped = []
+        for impl in impls:
+            if env.device_type not in impl.device_types:
+                continue
+            why_not = impl.unavailable(env)
+            if why_not is None:
+                reason = f"on {env.device_type}" + (f"; {impl.note}" if impl.note else "")
+                return Choice(op, impl.name, reason, lambda impl=impl: impl.build(cfg))
+            skipped.append(f"{impl.name}: {why_not}")
+        devices = sorted({d for impl in impls for d in impl.device_types})
+        why = "; ".join(skipped) or f"{plugin if named == AUTO else named} has kernels for {', '.join(devices)} only"
+        if named != AUTO:
+            raise ValueError(f"kernel_config.{spec.config_key}={named} cannot run on {env.describe()}: {why}; fix: "
+                             f"kernel_config.{spec.config_key}={AUTO}")
+        # auto means "the best available"; a reference_elsewhere op has no kernel of this plugin for this device:
+        # the next plugin's, or the reference.
+        if plugin == AUTO or (spec.reference_elsewhere and not skipped):
+            whys.append(why)
+            continue
+        # A kernel asked for by name never silently becomes something else.
+        raise ValueError(f"kernel_config.name={cfg.name!r} asks for {plugin}'s {op}, which cannot run on "
+                         f"{env.describe()}: {why}; fix: kernel_config=auto (the torch {op}), or make the kernel "
+                         "runnable")
+    return reference("; ".join(whys))
 
 
 def select_kernels(cfg: KernelConfig, device_type: str, env: Env | None = None) -> Kernels:

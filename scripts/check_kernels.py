@@ -99,11 +99,13 @@ def _delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int) -> In
             "beta": torch.rand(B, T, H, generator=gen, device=dev).bfloat16()}
 
 
-def _packed_delta_inputs(gen: torch.Generator, dev: torch.device, T: int) -> Inputs:
-    """Documents of 1 to 1500 tokens packed into one row of T, as the loader packs real text (FLA's cu_seqlens)."""
-    ends = torch.randint(1, 1500, (T,), generator=gen, device=dev).cumsum(0)
-    cu_seqlens = torch.cat([ends.new_zeros(1), ends[ends < T], ends.new_full((1,), T)])
-    return {**_delta_inputs(gen, dev, 1, T), "cu_seqlens": cu_seqlens}
+def _packed_delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int, longest: int) -> Inputs:
+    """Documents of 1 to ``longest`` tokens packed into B rows of T, as the loader packs real text; cu_seqlens over
+    the flattened rows, every row starting a document (FLA's variable-length launch for one row, kernels/fla.py's
+    decay reset for more)."""
+    ends = torch.randint(1, longest, (B * T,), generator=gen, device=dev).cumsum(0)
+    starts = torch.cat([ends.new_zeros(1), ends[ends < B * T], torch.arange(T, B * T, T, device=dev)]).unique()
+    return {**_delta_inputs(gen, dev, B, T), "cu_seqlens": torch.cat([starts, starts.new_full((1,), B * T)])}
 
 
 def _delta_call(fn: Callable, t: Inputs) -> torch.Tensor:
@@ -340,8 +342,12 @@ CASES: dict[str, list[Case]] = {
                      _rotary_case("qwen3 32 x 128, full", 4, 32, 4096, 128, 128)],
     "chunk_gated_delta_rule": [Case("qwen3.5 2 x 4096", lambda gen, dev: _delta_inputs(gen, dev, 2, 4096),
                                     _delta_call, TOL_DELTA_RULE),
-                               Case("qwen3.5 packed docs 8192", lambda gen, dev: _packed_delta_inputs(gen, dev, 8192),
-                                    _delta_call, TOL_DELTA_RULE)],
+                               Case("qwen3.5 packed docs 8192",
+                                    lambda gen, dev: _packed_delta_inputs(gen, dev, 1, 8192, 1500), _delta_call,
+                                    TOL_DELTA_RULE),
+                               Case("qwen3.5 packed chat 4 x 4096",
+                                    lambda gen, dev: _packed_delta_inputs(gen, dev, 4, 4096, 400), _delta_call,
+                                    TOL_DELTA_RULE)],
     "causal_conv1d_silu": [Case("qwen3.5 4 x 4096", lambda gen, dev: _conv_inputs(gen, dev, 4, 4096, False),
                                 _conv_call, TOL_ELEMENTWISE),
                            Case("qwen3.5 packed docs 4 x 4096", lambda gen, dev: _conv_inputs(gen, dev, 4, 4096, True),

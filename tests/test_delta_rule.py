@@ -165,3 +165,60 @@ def test_deltanet_takes_the_projection_whole_and_trains_as_with_the_concatenatio
         for a, b in zip(whole, concatenated):
             assert torch.equal(a, b)
     assert taken == [True, True]
+
+
+def _packed_rows(lengths_per_row: list[list[int]], seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """q, k, v, g, beta for rows of packed documents and cu_seqlens over the flattened rows (g as the model's)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, h, H, dk, dv = sum(lengths_per_row[0]), 2, 4, 8, 6
+    assert all(sum(row) == T for row in lengths_per_row)
+    R = len(lengths_per_row)
+    flat = [n for row in lengths_per_row for n in row]
+    cu = torch.tensor([0, *torch.tensor(flat).cumsum(0).tolist()])
+    decay = torch.empty(R, T, H).uniform_(-5, 2.5, generator=gen).exp()
+    return [torch.randn(R, T, h, dk, generator=gen), torch.randn(R, T, h, dk, generator=gen),
+            torch.randn(R, T, H, dv, generator=gen), -decay * F.softplus(torch.randn(R, T, H, generator=gen)),
+            torch.rand(R, T, H, generator=gen)], cu
+
+
+# Rows of 80 tokens: one-token documents, documents crossing a chunk of 16 or 64, a row that is one document.
+ROWS = [[1, 1, 70, 3, 5], [80], [17, 47, 16]]
+
+
+def _grads(rule, leaves: list[torch.Tensor], **kwargs) -> list[torch.Tensor]:
+    xs = [x.clone().requires_grad_() for x in leaves]
+    o, _ = rule(*xs[:3], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True, **kwargs)
+    (o * torch.randn(o.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+    return [o.detach(), *(x.grad for x in xs)]
+
+
+def test_rows_of_packed_documents_are_the_flattened_rows() -> None:
+    """cu_seqlens over the flattened B x T tokens (what the model passes): the same as the rows concatenated into a
+    batch of one, output and every gradient; a row start that is not a document start is refused."""
+    leaves, cu = _packed_rows(ROWS)
+    rows = _grads(chunk_gated_delta_rule, leaves, cu_seqlens=cu, chunk_size=16)
+    flat = _grads(chunk_gated_delta_rule, [x.flatten(0, 1)[None] for x in leaves], cu_seqlens=cu, chunk_size=16)
+    for a, b in zip(rows, flat):
+        torch.testing.assert_close(a, b.view_as(a), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="every row start"):
+        chunk_gated_delta_rule(*leaves[:3], g=leaves[3], beta=leaves[4], cu_seqlens=torch.tensor([0, 100, 240]))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_documents_reset_through_the_decay_are_the_documents_on_their_own(chunk_size: int) -> None:
+    """kernels/fla.py's reset launch, checked on the torch rule in fp32: each row run as one sequence with every
+    document's first decay set to DOCUMENT_RESET_G gives the output and gradients of the documents run as
+    sequences of their own (cu_seqlens), including g's gradient (0 at a document's first token either way)."""
+    from kernels.fla import documents_as_decay_reset
+
+    leaves, cu = _packed_rows(ROWS, seed=3)
+    want = _grads(chunk_gated_delta_rule, leaves, cu_seqlens=cu, chunk_size=chunk_size)
+
+    def reset_rule(q, k, v, g, beta, **kwargs):
+        return chunk_gated_delta_rule(q, k, v, documents_as_decay_reset(g, cu), beta, **kwargs)
+
+    got = _grads(reset_rule, leaves, chunk_size=chunk_size)
+    for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    starts = torch.zeros(cu[-1].item(), dtype=torch.bool).index_fill_(0, cu[:-1], True)
+    assert (got[4].flatten(0, 1)[starts] == 0).all()

@@ -88,14 +88,16 @@ def test_invalid_configs_name_the_key(cfg: KernelConfig, match: str) -> None:
         validate_kernel_config(cfg)
 
 
-@pytest.mark.parametrize("preset, name", [("auto", "auto"), ("flash_linear_attention", "flash-linear-attention"),
-                                          ("auto_fla", "auto,flash-linear-attention")])
-def test_presets_are_valid(preset: str, name: str) -> None:
+@pytest.mark.parametrize("preset, name, ops", [("auto", "auto", DEFAULT_FLA_OPS),
+                                               # FLA only: its short convolution too (ours is an auto kernel)
+                                               ("flash_linear_attention", "flash-linear-attention", FLA_OPS),
+                                               ("auto_fla", "auto,flash-linear-attention", DEFAULT_FLA_OPS)])
+def test_presets_are_valid(preset: str, name: str, ops: tuple[str, ...]) -> None:
     merged = OmegaConf.merge(OmegaConf.structured(KernelConfig),
                              OmegaConf.load(ROOT / "conf" / "kernel_config" / f"{preset}.yaml"))
     cfg = OmegaConf.to_object(merged)
     validate_kernel_config(cfg)
-    assert cfg.name == name and cfg.chunk_size == 64 and cfg.include_kernels == list(DEFAULT_FLA_OPS)
+    assert cfg.name == name and cfg.chunk_size == 64 and cfg.include_kernels == list(ops)
 
 
 # --- selection ----------------------------------------------------------------------------------------------------
@@ -166,22 +168,31 @@ def test_only_the_included_fla_kernels_are_installed() -> None:
     assert all(chosen[op].impl == "torch" for op in AUTO_OPS)  # auto not requested
 
 
-def test_fla_short_convolution_is_a_default_fla_op_on_cuda_and_torch_on_npu() -> None:
-    """Measured faster on an H200, so listed by default: FLA's on CUDA; on NPU, where FLA's kernel is untried, the
-    torch one, with the reason logged; left out of the list, torch everywhere."""
+def test_the_short_convolution_is_ours_on_cuda_unless_fla_s_is_listed() -> None:
+    """Ours (kernels/triton_short_conv.py) measured faster than FLA's on an H200, so it is the auto kernel and FLA's
+    is no longer in the default include_kernels: FLA's runs where listed. On NPU, where neither runs, the torch one
+    with the reason logged; on CUDA without triton, torch."""
     env = Env("cuda", triton_version="3.7.1", capability=(9, 0), fla_version="0.6.0")
     default = KernelConfig(name="auto,flash-linear-attention")
-    assert "causal_conv1d_silu" in default.include_kernels
-    assert select_kernels(default, "cuda", env).choices["causal_conv1d_silu"].impl == "flash-linear-attention"
-    npu = Env("npu", triton_version="3.2.0", fla_version="0.6.0", has_torch_npu=True)
-    on_npu = select_kernels(default, "npu", npu).choices
-    assert on_npu["causal_conv1d_silu"].impl == "torch"
-    assert on_npu["causal_conv1d_silu"].reason == "flash-linear-attention has kernels for cuda only"
-    assert on_npu["chunk_gated_delta_rule"].impl == "flash-linear-attention"
-    unlisted = KernelConfig(name="auto,flash-linear-attention",
-                            include_kernels=["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"])
-    chosen = select_kernels(unlisted, "cuda", env).choices["causal_conv1d_silu"]
+    assert "causal_conv1d_silu" not in default.include_kernels
+    assert select_kernels(default, "cuda", env).choices["causal_conv1d_silu"].impl == "triton"
+    assert select_kernels(KernelConfig(), "cuda", env).choices["causal_conv1d_silu"].impl == "triton"
+    listed = KernelConfig(name="auto,flash-linear-attention", include_kernels=list(FLA_OPS))
+    assert select_kernels(listed, "cuda", env).choices["causal_conv1d_silu"].impl == "flash-linear-attention"
+    fla_only = KernelConfig(name="flash-linear-attention", include_kernels=list(FLA_OPS))
+    assert select_kernels(fla_only, "cuda", env).choices["causal_conv1d_silu"].impl == "flash-linear-attention"
+    chosen = select_kernels(KernelConfig(name="flash-linear-attention"), "cuda", env).choices["causal_conv1d_silu"]
     assert (chosen.impl, chosen.reason) == ("torch", "not in kernel_config.include_kernels")
+    npu = Env("npu", triton_version="3.2.0", fla_version="0.6.0", has_torch_npu=True)
+    on_npu = select_kernels(listed, "npu", npu).choices
+    assert on_npu["causal_conv1d_silu"].impl == "torch"
+    assert on_npu["causal_conv1d_silu"].reason == ("flash-linear-attention has kernels for cuda only; "
+                                                   "auto has kernels for cuda only")
+    assert on_npu["chunk_gated_delta_rule"].impl == "flash-linear-attention"
+    no_triton = select_kernels(KernelConfig(), "cuda", Env("cuda", capability=(9, 0))).choices["causal_conv1d_silu"]
+    assert (no_triton.impl, no_triton.reason) == ("torch", "triton: triton is not installed")
+    with pytest.raises(ImportError, match="flash-linear-attention"):  # FLA's asked for by name must be there
+        select_kernels(listed, "cuda", Env("cuda", triton_version="3.7.1", capability=(9, 0)))
 
 
 def test_cuda_without_triton_uses_torch() -> None:
@@ -407,24 +418,43 @@ def test_host_chunk_indices_are_fla_s_chunk_indices_built_on_the_host() -> None:
     assert fla.host_chunk_indices(cu, 16, torch.device("cpu")).shape == (sum(-(-n // 16) for n in lengths), 2)
 
 
-def test_fla_wrappers_hand_fla_the_host_built_chunk_indices(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Packed rows whose offsets the host knows reach FLA with chunk_indices (FLA then reads nothing back); others
-    without, as before. Against stand-ins for FLA's entry points (FLA itself needs triton)."""
+def test_fla_wrappers_hand_fla_packed_documents_as_they_take_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against stand-ins for FLA's entry points (FLA itself needs triton). The delta rule over rows of packed
+    documents (cu_seqlens over the flattened rows): from RESET_MIN_ROWS rows, FLA's launch for the rows, every
+    document's first decay reset, no cu_seqlens; one row, FLA's varlen launch of a batch of one, with chunk_indices
+    where the host knows the offsets. A state in or out is refused with documents. The short convolution: FLA's
+    varlen launch, with chunk_indices where the host knows the offsets (FLA then reads nothing back)."""
     import types
 
     calls = []
     rule_module, conv_module = types.ModuleType("fla.ops.gated_delta_rule"), types.ModuleType("fla.modules.causal_conv1d")
-    rule_module.chunk_gated_delta_rule = lambda *args, **kwargs: calls.append(("rule", kwargs)) or (args[0], None)
+    rule_module.chunk_gated_delta_rule = lambda *args, **kwargs: calls.append((args, kwargs)) or (args[2], None)
     conv_module.causal_conv1d = lambda x, w, **kwargs: calls.append(("conv", kwargs)) or (x, None)
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", rule_module)
     monkeypatch.setitem(sys.modules, "fla.modules.causal_conv1d", conv_module)
-    cu = torch.tensor([0, 3, 70, 80])
     rule = fla.chunk_gated_delta_rule(32)
-    rule(torch.zeros(1), cu_seqlens=cu, cu_seqlens_cpu=cu)
-    rule(torch.zeros(1), cu_seqlens=cu)
-    (_, known), (_, unknown) = calls
-    assert known["chunk_indices"].tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]] and known["chunk_size"] == 32
-    assert "chunk_indices" not in unknown
+    assert fla.RESET_MIN_ROWS == 2
+    cu2 = torch.tensor([0, 3, 40, 70, 80])  # two rows of 40
+    q2, v2, g2 = torch.zeros(2, 40, 1, 4), torch.zeros(2, 40, 2, 4), -torch.rand(2, 40, 2)
+    rule(q2, q2, v2, g=g2, beta=g2, cu_seqlens=cu2, cu_seqlens_cpu=cu2)
+    (args, packed), = calls
+    assert args[0].shape == (2, 40, 1, 4) and "cu_seqlens" not in packed and "chunk_indices" not in packed
+    assert packed["chunk_size"] == 32
+    starts = torch.zeros(80, dtype=torch.bool).index_fill_(0, cu2[:-1], True)
+    assert (packed["g"].flatten(0, 1)[starts] == fla.DOCUMENT_RESET_G).all()
+    assert torch.equal(packed["g"].flatten(0, 1)[~starts], g2.flatten(0, 1)[~starts])
+    cu = torch.tensor([0, 3, 70, 80])  # one row of 80
+    q1, v1, g1 = torch.zeros(1, 80, 1, 4), torch.zeros(1, 80, 2, 4), -torch.rand(1, 80, 2)
+    o, _ = rule(q1, q1, v1, g=g1, beta=g1, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    args, known = calls[-1]
+    assert known["chunk_indices"].tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]] and known["g"] is not g1
+    assert torch.equal(known["g"], g1) and torch.equal(known["cu_seqlens"], cu) and o.shape == v1.shape
+    rule(q1, q1, v1, g=g1, beta=g1, cu_seqlens=cu)
+    assert "chunk_indices" not in calls[-1][1]
+    rule(q2, q2, v2, g=g2, beta=g2)
+    assert calls[-1][1]["g"] is g2 and "cu_seqlens" not in calls[-1][1]
+    with pytest.raises(NotImplementedError, match="initial_state"):
+        rule(q2, q2, v2, g=g2, beta=g2, cu_seqlens=cu2, initial_state=torch.zeros(4, 2, 4, 4))
     docs = Documents(torch.zeros(1, 80, dtype=torch.long), cu, host_cu_seqlens_n1=cu)
     fla.causal_conv1d_silu()(torch.zeros(1, 80, 4), torch.zeros(4, 4), docs)
     assert calls[-1][1]["chunk_indices"].tolist() == [[0, 0], [1, 0], [1, 1], [2, 0]]  # chunks of 64

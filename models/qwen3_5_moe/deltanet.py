@@ -111,7 +111,8 @@ class GatedDeltaNet(nn.Module):
                         docs: Documents | None) -> torch.Tensor:
         """Causal conv (silu) and the delta rule over the whole sequence on the heads given: h q/k heads with their
         conv taps [h, k, W] (q and k) and H value heads with theirs [H, v, W]. A sequence op: CP passes a head shard.
-        Packed documents run as FLA's variable-length sequences (``cu_seqlens``, a batch of one)."""
+        Packed documents reach the delta rule as ``cu_seqlens`` over the flattened rows (the recurrence, FLA's
+        variable-length sequences in a batch of one)."""
         B, T, h, dk = q_BThk.shape
         H, dv = v_BTHv.shape[2:]
         qkv_BTF = tiled_base((q_BThk, k_BThk, v_BTHv))
@@ -125,11 +126,12 @@ class GatedDeltaNet(nn.Module):
         if docs is None:
             o_BTHv, _ = rule(q_BThk, k_BThk, v_BTHv, g=g_BTH, beta=beta_BTH, use_qk_l2norm_in_kernel=True)
             return o_BTHv
-        # The chunked rule also takes the offsets as the host knows them (FLA's cu_seqlens_cpu): no read back.
-        host = {} if recurrent else {"cu_seqlens_cpu": docs.host_cu_seqlens_n1}
+        if not recurrent:  # the chunked rule takes the rows, and the offsets as the host knows them: no read back
+            o_BTHv, _ = rule(q_BThk, k_BThk, v_BTHv, g=g_BTH, beta=beta_BTH, use_qk_l2norm_in_kernel=True,
+                             cu_seqlens=docs.cu_seqlens_n1, cu_seqlens_cpu=docs.host_cu_seqlens_n1)
+            return o_BTHv
         o_1NHv, _ = rule(*(x.flatten(0, 1)[None] for x in (q_BThk, k_BThk, v_BTHv)), g=g_BTH.flatten(0, 1)[None],
-                         beta=beta_BTH.flatten(0, 1)[None], use_qk_l2norm_in_kernel=True,
-                         cu_seqlens=docs.cu_seqlens_n1, **host)
+                         beta=beta_BTH.flatten(0, 1)[None], use_qk_l2norm_in_kernel=True, cu_seqlens=docs.cu_seqlens_n1)
         return o_1NHv.view(B, T, H, dv)
 
     def saved_activations(self) -> LayerActivations:
