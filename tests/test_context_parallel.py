@@ -16,13 +16,13 @@ All ranks' work is one spawn of 8.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed._functional_collectives import all_gather_tensor
 
 import train
@@ -113,34 +113,40 @@ def separate_rows_logits(model: torch.nn.Module, input_ids_BT: torch.Tensor) -> 
     return torch.cat(rows)
 
 
-def cp_logits(family: str, preset: str, weights: dict, rank: int, world_size: int,
-              attention: str | None = None) -> torch.Tensor:
-    """Logits of the packed batch under ``preset``, each rank running its cp shard, gathered over cp; with
-    ``attention`` (a key of ATTENTION_KERNELS) in every document-attention slot, else the reference."""
-    cfg = compose_config([f"parallel={preset}"]).parallel
+def cp_logits(family: str, preset: str, args, weights: dict, dims, parallel: ParallelConfig) -> dict:
+    """Logits of the packed batch under ``preset`` (``parallel`` its config, ``dims`` its meshes), each rank running
+    its cp shard, gathered over cp: ``family-preset`` with the reference in every document-attention slot, and under
+    cp4 then, on the same model, ``family-cp4-<name>`` with each kernel of ATTENTION_KERNELS in every slot. The caller
+    composes the configs (Hydra's ~0.5 s of CPU a composition, paid by 8 ranks on 2 cores) and builds each preset's
+    meshes once for both families."""
     spec = get_spec(family)
-    dims = build_parallel_dims(cfg, world_size, rank, "cpu")
     with torch.device("meta"):
-        model = spec.model_cls(model_args(family))
-    model = parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32)
+        model = spec.model_cls(args)
+    model = parallelize_model(model, spec, dims, parallel, torch.float32, torch.float32)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
-    if attention is not None:
-        use_attention(model, ATTENTION_KERNELS[attention]())
     input_ids_BT, position_ids_BT = packed_batch()
     shard = context_shard({"input_ids": input_ids_BT, "position_ids": position_ids_BT}, dims.cp_rank, dims.cp)
-    with torch.no_grad():
-        logits_BtV = model(shard["input_ids"], shard["position_ids"]).logits
-    return all_gather_tensor(logits_BtV, gather_dim=1, group=dims.mesh("cp").get_group()).clone()
+    logits = {}
+    for name in [None, *(ATTENTION_KERNELS if preset == "cp4" else [])]:
+        if name is not None:
+            use_attention(model, ATTENTION_KERNELS[name]())
+        with torch.no_grad():
+            logits_BtV = model(shard["input_ids"], shard["position_ids"]).logits
+        key = f"{family}-{preset}" if name is None else f"{family}-{preset}-{name}"
+        logits[key] = all_gather_tensor(logits_BtV, gather_dim=1, group=dims.mesh("cp").get_group()).clone()
+    return logits
 
 
-def worker(rank: int, world_size: int, cfgs: dict, weights: dict) -> tuple[dict, dict]:
+def worker(rank: int, world_size: int, cfgs: dict, weights: dict, layouts: dict, args: dict) -> tuple[dict, dict]:
+    gc.freeze()  # what the rank inherited (the fork server's imports) is kept out of every GC pass: less CPU
     histories = {name: train.run(cfg) for name, cfg in cfgs.items()}
-    logits = {(family, preset): cp_logits(family, preset, weights[family], rank, world_size)
-              for family in TINY for preset in ("cp2", "cp4")}
-    logits.update({(family, f"cp4-{name}"): cp_logits(family, "cp4", weights[family], rank, world_size, name)
-                   for family in TINY for name in ATTENTION_KERNELS})
-    return histories, {f"{family}-{preset}": x for (family, preset), x in logits.items()}
+    logits = {}
+    for preset, parallel in layouts.items():
+        dims = build_parallel_dims(parallel, world_size, rank, "cpu")
+        for family in TINY:
+            logits |= cp_logits(family, preset, args[family], weights[family], dims, parallel)
+    return histories, logits
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +169,9 @@ def runs(tmp_path_factory):
                                                   run=name)
                  for (family, name), (preset, mode) in AC_VARIANTS.items()})
     cfgs[f"qwen3_moe-{CHATS}-chats"] = train_config(tmp_path, "qwen3_moe", CHATS, run=f"{CHATS}-chats", chats=True)
-    histories, logits = run_distributed(worker, WORLD, cfgs, weights, timeout_s=600)
+    layouts = {preset: compose_config([f"parallel={preset}"]).parallel for preset in ("cp2", "cp4")}
+    args = {family: model_args(family) for family in TINY}
+    histories, logits = run_distributed(worker, WORLD, cfgs, weights, layouts, args, timeout_s=600)
     return reference, histories, cfgs, logits, weights
 
 
@@ -224,6 +232,8 @@ def test_packed_documents_equal_separate_rows_under_cp(runs, family, preset):
 
 def test_packed_rows_equal_transformers_packed_sequences():
     """transformers detects packed sequences from position ids (with no mask and no cache) by the same rule."""
+    import transformers  # here: a rank that imports this module for its worker would spend ~0.8 s of CPU on it
+
     ours = seeded_model("qwen3_moe", initializer_range=0.1)
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**vars(ours.args))).float()
     hf.load_state_dict(ours.state_dict(), strict=True)

@@ -6,6 +6,7 @@ serves every layout: all of them train the same global batch of 16 sequences."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ def config(tmp_path: Path, family: str, parallel: str, run: str, world: int, *ov
 
 
 def worker(rank: int, world_size: int, cfgs: dict) -> dict:
+    gc.freeze()  # what the rank inherited (the fork server's imports) is kept out of every GC pass: ~4x less GC CPU
     return {name: train.run(cfg) for name, cfg in cfgs.items()}
 
 
