@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core import device  # noqa: E402
 from kernels.attention import (DenseMaskAttention, Documents, FlexAttention, KnownDocuments,  # noqa: E402
                                VarlenAttention, causal_sdpa, document_cu_seqlens)
+from scripts.bench_deltanet import packed_rows  # noqa: E402
 
 SHAPES = {"qwen3": (32, 4, 128), "qwen35": (16, 2, 256)}
 TOKENIZERS = {"qwen3": "qwen3", "qwen35": "qwen3_5"}
@@ -44,13 +45,10 @@ def synthetic_ids(B: int, T: int, spec: str, gen: torch.Generator) -> torch.Tens
     """Document ids [B, T] (every row starting a document) for ``uniform:N`` or ``fixed:N``."""
     kind, _, n = spec.partition(":")
     if kind not in ("uniform", "fixed") or not n.isdigit() or int(n) < 1:
-        raise SystemExit(f"--docs {spec!r}: expected uniform:N, fixed:N or chitchat")
-    n_docs = B * T
-    lengths = torch.full((n_docs,), int(n)) if kind == "fixed" else torch.randint(1, int(n) + 1, (n_docs,),
-                                                                                   generator=gen)
-    starts = torch.cat([torch.tensor([0]), lengths.cumsum(0)])
-    starts = torch.cat([starts[starts < B * T], torch.arange(T, B * T, T)]).unique()
-    return torch.zeros(B * T, dtype=torch.long).index_fill_(0, starts, 1).view(B, T).cumsum(1) - 1
+        raise SystemExit(f"--docs {spec!r}: expected uniform:N, fixed:N or chitchat (N >= 1)")
+    lengths_n = (torch.full((B * T,), int(n)) if kind == "fixed"
+                 else torch.randint(1, int(n) + 1, (B * T,), generator=gen))
+    return packed_rows(lengths_n, B, T)[0]
 
 
 def chitchat_ids(B: int, T: int, shape: str, windows: int) -> list[torch.Tensor]:
@@ -101,6 +99,15 @@ def main() -> None:
     parser.add_argument("--flex-autotune", action="store_true", help="add FlexAttention under max-autotune")
     parser.add_argument("--profile", action="store_true", help="list the kernels of one forward + backward")
     args = parser.parse_args()
+    if args.windows < 1:
+        parser.error(f"--windows {args.windows}: time at least one batch (--windows 1 or more)")
+    try:
+        flex_options = [json.loads(options) for options in args.flex_options]
+    except json.JSONDecodeError as error:
+        parser.error(f"--flex-options: each run's kernel_options is one JSON object, e.g. "
+                     f"'{{\"bwd_num_warps\": 8}}' ({error})")
+    if not all(isinstance(options, dict) for options in flex_options):
+        parser.error("--flex-options: each run's kernel_options is one JSON object, e.g. '{\"bwd_num_warps\": 8}'")
     dev_type = device.device_type()
     if dev_type == "cpu":
         raise SystemExit("bench_attention.py times device kernels: run it where an accelerator is")
@@ -125,10 +132,12 @@ def main() -> None:
     impls: dict[str, DenseMaskAttention | None] = {"causal sdpa (one sequence per row)": None,
                                                    "varlen_attn": VarlenAttention(),
                                                    "flex_attention (compiled)": FlexAttention()}
-    for options in args.flex_options:
-        impls[f"flex {options}"] = TunedFlex(json.loads(options))
+    for text, options in zip(args.flex_options, flex_options):
+        impls[f"flex {text}"] = TunedFlex(options)
     if args.flex_autotune:
         impls["flex (max-autotune)"] = TunedFlex(mode="max-autotune-no-cudagraphs")
+
+    causal_cu_n1 = torch.tensor([0, *range(T, B * T + 1, T)])  # one document per row
 
     def views() -> tuple[torch.Tensor, ...]:
         return tuple(x.transpose(1, 2) for x in leaves)
@@ -138,7 +147,7 @@ def main() -> None:
         try:
             for ids_BT, cu in zip(batches, cus):
                 if impl is None:
-                    call, cu = (lambda: causal_sdpa(*views(), scale)), torch.tensor([0, *range(T, B * T + 1, T)])
+                    call, cu = (lambda: causal_sdpa(*views(), scale)), causal_cu_n1
                 else:
                     ids_dev = ids_BT.to(dev)
                     known = KnownDocuments(cu.to(dev), cu)

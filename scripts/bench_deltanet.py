@@ -34,13 +34,19 @@ from kernels.attention import Documents  # noqa: E402
 CONV_CHANNELS, TAPS, QK_HEADS, V_HEADS, HEAD_DIM = 8192, 4, 16, 32, 128
 
 
-def packed_documents(B: int, T: int, max_doc: int, gen: torch.Generator, dev: torch.device) -> Documents:
-    """Documents of 1..max_doc tokens packed into B rows of T; the offsets known on the host, as the trainer's."""
-    lengths = torch.randint(1, max_doc + 1, (B * T,), generator=gen)
-    starts = torch.cat([torch.tensor([0]), lengths.cumsum(0)])
+def packed_rows(lengths_n: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents of ``lengths_n`` (host) packed into B rows of T, cut at the rows' ends (every row starts a
+    document): each token's document id within its row [B, T] and the flattened offsets (``cu_seqlens``), on the
+    host."""
+    starts = torch.cat([torch.tensor([0]), lengths_n.cumsum(0)])
     starts = torch.cat([starts[starts < B * T], torch.arange(T, B * T, T)]).unique()
     ids_BT = torch.zeros(B * T, dtype=torch.long).index_fill_(0, starts, 1).view(B, T).cumsum(1) - 1
-    cu_n1 = torch.cat([starts, torch.tensor([B * T])])
+    return ids_BT, torch.cat([starts, torch.tensor([B * T])])
+
+
+def packed_documents(B: int, T: int, max_doc: int, gen: torch.Generator, dev: torch.device) -> Documents:
+    """Documents of 1..max_doc tokens packed into B rows of T; the offsets known on the host, as the trainer's."""
+    ids_BT, cu_n1 = packed_rows(torch.randint(1, max_doc + 1, (B * T,), generator=gen), B, T)
     return Documents(ids_BT.to(dev), cu_n1.to(dev), host_cu_seqlens_n1=cu_n1)
 
 
