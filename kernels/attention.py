@@ -44,6 +44,7 @@ class Documents:
     cu_seqlens_n1: Tensor  # start of every document in the flattened B*T tokens, then B*T (document_cu_seqlens)
     max_len: int = 0  # the longest document (varlen attention's launch bound); 0 where not needed
     block_mask: Any = None  # FlexAttention's BlockMask; None where not needed
+    ragged: Any = None  # cuDNN's padded offsets and graph bound (kernels/cudnn_attention.Ragged); None where not needed
     # cu_seqlens_n1 on the host where the trainer knew it (KnownDocuments): FLA's varlen kernels then read nothing back
     host_cu_seqlens_n1: Tensor | None = None
 

@@ -17,8 +17,8 @@ FLA_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal
 DEFAULT_FLA_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 CHUNK_SIZES = (16, 32, 64)  # what FLA's chunked kernels support
 # Packed-document attention (kernels/attention.py): auto = the registry's CUDA default; torch = the dense-mask SDPA.
-FLEX_ATTENTION, VARLEN_ATTN = "flex_attention", "varlen_attn"
-ATTENTION_IMPLS = (AUTO, FLEX_ATTENTION, VARLEN_ATTN, "torch")
+CUDNN_ATTENTION, FLEX_ATTENTION, VARLEN_ATTN = "cudnn_attention", "flex_attention", "varlen_attn"
+ATTENTION_IMPLS = (AUTO, CUDNN_ATTENTION, FLEX_ATTENTION, VARLEN_ATTN, "torch")
 
 
 @dataclass
@@ -26,7 +26,7 @@ class KernelConfig:
     name: str = AUTO  # auto | flash-linear-attention | both, comma-separated: "auto,flash-linear-attention"
     include_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FLA_OPS))  # FLA ops to install
     chunk_size: int = 64  # chunk length of the chunked gated delta rule (FLA's and the torch reference)
-    attention: str = AUTO  # packed documents: auto | flex_attention | varlen_attn | torch (a name must run)
+    attention: str = AUTO  # packed documents: auto | cudnn_attention | flex_attention | varlen_attn | torch
 
 
 def plugin_names(cfg: KernelConfig) -> list[str]:

@@ -33,7 +33,7 @@ from kernels import fla, installed
 from kernels.adamw import adamw_step_torch
 from kernels.attention import DenseMaskAttention, FlexAttention, VarlenAttention, varlen_signature_problem
 from kernels.cast import cast_gradient_torch
-from kernels.config import AUTO, FLA, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, plugin_names
+from kernels.config import AUTO, CUDNN_ATTENTION, FLA, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, plugin_names
 from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kernels.float8_permute import gather_quantize_rows_torch
 from kernels.grouped_mm import per_group_mm
@@ -57,6 +57,8 @@ class Env:
     capability: tuple[int, int] | None = None  # CUDA compute capability
     fla_version: str | None = None  # None: flash-linear-attention is not installed
     has_torch_npu: bool = False
+    cudnn_frontend_version: str | None = None  # None: nvidia-cudnn-frontend is not installed
+    cudnn_version: int | None = None  # torch's cuDNN (torch.backends.cudnn.version(): 91900 is 9.19.0)
 
     @classmethod
     def detect(cls, device_type: str) -> Env:
@@ -67,12 +69,15 @@ class Env:
             triton_version = triton.__version__
         capability = tuple(device.module("cuda").get_device_capability()) if device_type == "cuda" else None
         return cls(device_type, triton_version, capability, _dist_version("flash-linear-attention", "fla-core"),
-                   importlib.util.find_spec("torch_npu") is not None)
+                   importlib.util.find_spec("torch_npu") is not None, _dist_version("nvidia-cudnn-frontend"),
+                   torch.backends.cudnn.version() if device_type == "cuda" else None)
 
     def describe(self) -> str:
         sm = f" (sm_{self.capability[0]}{self.capability[1]})" if self.capability else ""
+        cudnn = (f", cudnn-frontend {self.cudnn_frontend_version or 'absent'} (cuDNN {self.cudnn_version})"
+                 if self.device_type == "cuda" else "")
         return (f"{self.device_type}{sm}, triton {self.triton_version or 'absent'}, flash-linear-attention "
-                f"{self.fla_version or 'absent'}, torch_npu {'present' if self.has_torch_npu else 'absent'}")
+                f"{self.fla_version or 'absent'}, torch_npu {'present' if self.has_torch_npu else 'absent'}{cudnn}")
 
 
 def _dist_version(*names: str) -> str | None:
@@ -93,6 +98,7 @@ class Impl:
     unavailable: Callable[[Env], str | None] = lambda env: None
     note: str = ""  # logged after the device: what the kernel still decides at run time
     plugin: str | None = None  # the kernel_config.name entry that asks for it, where not the op's own (OpSpec)
+    opt_in: bool = False  # runs only where named by the op's config key, never as an auto choice
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,10 @@ class OpSpec:
 
 def _lazy(module: str, attr: str) -> Callable[[KernelConfig], Callable]:
     return lambda cfg: getattr(importlib.import_module(module), attr)
+
+
+def _lazy_instance(module: str, cls: str) -> Callable[[KernelConfig], Callable]:
+    return lambda cfg: getattr(importlib.import_module(module), cls)()
 
 
 def _needs_triton(env: Env) -> str | None:
@@ -180,18 +190,36 @@ def _needs_varlen(env: Env) -> str | None:
     return varlen_signature_problem()
 
 
+CUDNN_RAGGED_MIN = 90600  # cuDNN 9.6: the 64-bit ragged offsets the graphs take (tried: 9.19, torch 2.11's)
+
+
+def _needs_cudnn_ragged(env: Env) -> str | None:
+    if env.capability is not None and env.capability < (9, 0):
+        return f"cuDNN's ragged attention needs sm_90 or newer, this GPU is sm_{env.capability[0]}{env.capability[1]}"
+    if env.cudnn_frontend_version is None:
+        return "nvidia-cudnn-frontend is not installed (pip install '.[gpu]')"
+    if env.cudnn_version is None or env.cudnn_version < CUDNN_RAGGED_MIN:
+        return f"torch's cuDNN is {env.cudnn_version}, the ragged attention backward needs {CUDNN_RAGGED_MIN} or newer"
+    return None
+
+
+# In order of preference on CUDA: the first that can run is the default (kernel_config.attention=auto); each can be
+# named. varlen (torch's flash attention, FA2) measured ahead of FlexAttention end to end on an H200
+# (docs/benchmarks.md, torch 2.11, 4-layer Qwen3-30B-A3B, tokens/s: 100,415 vs 98,265 on 4k chat windows, 124,047 vs
+# 122,659 on 32k windows of 2,048-token documents); flex where varlen cannot run (torch < 2.11). cuDNN's ragged SDPA
+# is opt-in until it is measured end to end: its kernels ran 1.2-1.6x faster than varlen's on the H200, but this
+# module's path has not yet trained on a GPU (docs/benchmarks.md, tenth round). Rows that are one document each
+# take SDPA's causal flash path in every implementation.
 _ATTENTION = {
-    FLEX_ATTENTION: Impl(FLEX_ATTENTION, ("cuda",), lambda cfg: FlexAttention(),
-                         _needs_flex, "document BlockMask; compiled at the first packed batch"),
     VARLEN_ATTN: Impl(VARLEN_ATTN, ("cuda",), lambda cfg: VarlenAttention(),
                       _needs_varlen, "flash attention over the documents (cu_seqlens)"),
+    FLEX_ATTENTION: Impl(FLEX_ATTENTION, ("cuda",), lambda cfg: FlexAttention(),
+                         _needs_flex, "document BlockMask; compiled at the first packed batch"),
+    CUDNN_ATTENTION: Impl(CUDNN_ATTENTION, ("cuda",), _lazy_instance("kernels.cudnn_attention", "CudnnAttention"),
+                          _needs_cudnn_ragged, "cuDNN's ragged SDPA over the documents; a graph per document-count "
+                          "bucket, built at its first batch", opt_in=True),
 }
-# The CUDA default for packed documents: the faster of the two on an H200 (docs/benchmarks.md, 2026-12-02, torch
-# 2.11, 4-layer Qwen3-30B-A3B, tokens/s): varlen 100,415 vs flex 98,265 on 4k chat windows, 98,132 vs 97,827 on 16k,
-# 124,047 vs 122,659 on 32k windows of 2,048-token documents. Where varlen cannot run (torch < 2.11), flex.
-# kernel_config.attention picks either per run. Rows that are one document each take SDPA's causal flash path
-# in every implementation.
-CUDA_ATTENTION = VARLEN_ATTN
+CUDA_ATTENTION = next(iter(_ATTENTION))
 
 # FLA's Triton kernels run on CUDA and, through its triton-ascend backends, on NPU.
 _FLA_DEVICES = ("cuda", "npu")
@@ -218,7 +246,7 @@ OPS: dict[str, OpSpec] = {
               "as FLA's"))),
     "document_attention": OpSpec(
         AUTO, lambda cfg: DenseMaskAttention(),
-        tuple(sorted(_ATTENTION.values(), key=lambda impl: impl.name != CUDA_ATTENTION)), config_key="attention"),
+        tuple(_ATTENTION.values()), config_key="attention"),
     "fused_recurrent_gated_delta_rule": OpSpec(
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
@@ -311,14 +339,15 @@ def _choose(op: str, spec: OpSpec, cfg: KernelConfig, env: Env) -> Choice:
         if _not_asked(op, plugin, cfg):
             continue
         impls = tuple(impl for impl in spec.kernels if (impl.plugin or spec.plugin) == plugin
-                      and named in (AUTO, impl.name))
+                      and (named == impl.name or (named == AUTO and not impl.opt_in)))
         skipped = []
         for impl in impls:
             if env.device_type not in impl.device_types:
                 continue
             why_not = impl.unavailable(env)
-            if why_not is None:
-                reason = f"on {env.device_type}" + (f"; {impl.note}" if impl.note else "")
+            if why_not is None:  # the reason names the preferred kernels that cannot run here, and why
+                reason = "; ".join([f"on {env.device_type}", *([impl.note] if impl.note else []),
+                                    *(f"not {skip}" for skip in skipped)])
                 return Choice(op, impl.name, reason, lambda impl=impl: impl.build(cfg))
             skipped.append(f"{impl.name}: {why_not}")
         devices = sorted({d for impl in impls for d in impl.device_types})

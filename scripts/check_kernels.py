@@ -2,9 +2,9 @@
 
     python scripts/check_kernels.py [--kernels auto,flash-linear-attention] [--chunk-size 64] [--device auto]
 
-Packed-document attention: every implementation that can run (flex_attention, varlen_attn), not only the chosen
-one, against the dense-mask reference on 4096-token rows of mixed-length documents (1 to 1500, one-token ones
-among them; Qwen3's heads of 128 and Qwen3.5's of 256), then one timing line per implementation on one
+Packed-document attention: every implementation that can run (cudnn_attention, varlen_attn, flex_attention), not
+only the chosen one, against the dense-mask reference on 4096-token rows of mixed-length documents (1 to 1500,
+one-token ones among them; Qwen3's heads of 128 and Qwen3.5's of 256), then one timing line per implementation on one
 32,768-token window of 2,048-token documents (32 query / 4 kv heads of 128, bf16, forward + backward; the documents
 built outside the timed region, as the decoder builds them once per batch), beside causal SDPA on the same window
 as one sequence (16x the attended pairs).
@@ -38,7 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.attention import DenseMaskAttention, Documents, causal_sdpa  # noqa: E402
-from kernels.config import FLA_OPS, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, validate_kernel_config  # noqa: E402
+from kernels.config import (CUDNN_ATTENTION, FLA_OPS, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig,  # noqa: E402
+                            validate_kernel_config)
 from kernels.registry import OPS, select_kernels  # noqa: E402
 from core import device  # noqa: E402
 
@@ -272,7 +273,7 @@ def check_attention(dev: torch.device, cfg: KernelConfig) -> list[str]:
     """Every document-attention implementation that runs here against the dense mask, then one timing line each on
     a 32k window of 2,048-token documents. Returns the failures."""
     failed, timed = [], {"torch dense mask": DenseMaskAttention()}
-    for name in (FLEX_ATTENTION, VARLEN_ATTN):
+    for name in (CUDNN_ATTENTION, VARLEN_ATTN, FLEX_ATTENTION):
         try:
             kernel = select_kernels(replace(cfg, attention=name), dev.type).get("document_attention")
         except ValueError as error:

@@ -8,6 +8,8 @@ kernels (compiled flex, torch's varlen_attn) on CUDA at the end, and in ``script
 from __future__ import annotations
 
 import copy
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from core.constants import IGNORE_INDEX
 from kernels.attention import (DenseMaskAttention, Documents, FlexAttention, VarlenAttention, causal_sdpa,
                                document_block_mask, document_cu_seqlens)
 from kernels.config import KernelConfig, validate_kernel_config
+from kernels import registry
 from kernels.registry import CUDA_ATTENTION, Env, select_kernels
 from models.layers import document_ids, known_documents
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -255,28 +258,43 @@ def test_unpacked_rows_build_no_documents() -> None:
 
 # --- the registry -------------------------------------------------------------------------------------------------
 
-HOPPER = Env("cuda", triton_version="3.6.0", capability=(9, 0))
+HOPPER = Env("cuda", triton_version="3.6.0", capability=(9, 0), cudnn_frontend_version="1.14.0", cudnn_version=91900)
 
 
 def _choose(cfg: KernelConfig, env: Env = HOPPER):
     return select_kernels(cfg, env.device_type, env).choices["document_attention"]
 
 
-def test_cuda_default_and_named_choices() -> None:
+def test_cuda_default_and_named_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     choose = _choose
     assert choose(KernelConfig()).impl == CUDA_ATTENTION == "varlen_attn"  # measured faster (docs/benchmarks.md)
-    assert choose(KernelConfig(attention="varlen_attn")).impl == "varlen_attn"
-    assert choose(KernelConfig(attention="torch")).impl == "torch"
+    for name in ("cudnn_attention", "varlen_attn", "flex_attention", "torch"):
+        assert choose(KernelConfig(attention=name)).impl == name
     assert choose(KernelConfig(), Env("cpu")).impl == "torch"
+    # auto names the preferred kernels it passed over, and why
+    passed_over = choose(KernelConfig(), replace(HOPPER, capability=(7, 5))).reason
+    assert "not varlen_attn: flash attention needs sm_80" in passed_over
+    # named without cudnn-frontend, on an Ampere GPU or with an old cuDNN, it fails saying why
+    for env, why in ((replace(HOPPER, cudnn_frontend_version=None), r"pip install '\.\[gpu\]'"),
+                     (replace(HOPPER, capability=(8, 0)), "needs sm_90 or newer, this GPU is sm_80"),
+                     (replace(HOPPER, cudnn_version=90100), "cuDNN is 90100, .* needs 90600")):
+        with pytest.raises(ValueError, match=r"kernel_config\.attention=cudnn_attention cannot run on .*" + why):
+            choose(KernelConfig(attention="cudnn_attention"), env)
     assert choose(KernelConfig(), Env("cuda", capability=(9, 0))).impl == "varlen_attn"  # no triton: no flex
     with pytest.raises(ValueError, match=r"kernel_config\.attention=varlen_attn cannot run on .*sm_80"):
         choose(KernelConfig(attention="varlen_attn"), Env("cuda", triton_version="3.6.0", capability=(7, 5)))
     with pytest.raises(ValueError, match=r"kernel_config\.attention=flex_attention cannot run on cpu"):
         choose(KernelConfig(attention="flex_attention"), Env("cpu"))
+    # cuDNN is opt-in: auto never takes it, not even where it alone could run (no varlen, no triton for flex)
+    monkeypatch.setattr(registry, "varlen_signature_problem", lambda: "no varlen_attn in this torch")
+    assert choose(KernelConfig(), replace(HOPPER, triton_version=None)).impl == "torch"
+    assert choose(KernelConfig(attention="cudnn_attention"), replace(HOPPER, triton_version=None)).impl == (
+        "cudnn_attention")
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (KernelConfig(attention="flash"), r"kernel_config\.attention='flash': expected one of auto, flex_attention"),
+    (KernelConfig(attention="flash"),
+     r"kernel_config\.attention='flash': expected one of auto, cudnn_attention, flex_attention"),
     (KernelConfig(name="flash-linear-attention", attention="varlen_attn"), r"add auto to kernel_config\.name"),
 ])
 def test_bad_attention_config(cfg: KernelConfig, match: str) -> None:
@@ -299,18 +317,28 @@ def test_documents_the_host_knows_equal_the_ones_found_on_the_device() -> None:
 
 # --- the real kernels, on CUDA ------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's varlen_attn, compiled flex)")
-@pytest.mark.parametrize("name", ["flex_attention", "varlen_attn"])
-def test_cuda_kernels_equal_the_dense_mask(name: str) -> None:
-    kernels = select_kernels(KernelConfig(attention=name), "cuda")
-    attention = kernels.get("document_attention")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN, torch's varlen_attn, compiled flex)")
+@pytest.mark.parametrize("name", ["cudnn_attention", "flex_attention", "varlen_attn"])
+@pytest.mark.parametrize("heads", [(H, h, d), (16, 2, 256)], ids=["d16", "qwen3.5 d256"])
+def test_cuda_kernels_equal_the_dense_mask(name: str, heads: tuple[int, int, int]) -> None:
+    """bf16 against the fp32 reference, on both rows' documents (one-token ones, 128-block crossings, a row that is
+    one document) and in the model's [B, T, heads, d] memory layout."""
+    try:
+        attention = select_kernels(KernelConfig(attention=name), "cuda").get("document_attention")
+    except ValueError as error:
+        pytest.skip(str(error))
+    nq, nkv, dim = heads
     ids_BT = document_ids(position_ids(LENGTHS)).cuda()
-    tensors = [x.detach().cuda().bfloat16().requires_grad_() for x in qkv()]
-    got = out_and_grads(attention, attention.documents(ids_BT), tensors)
-    want = out_and_grads(DenseMaskAttention(), DenseMaskAttention().documents(ids_BT),
-                         [x.detach().float().requires_grad_() for x in tensors])
-    for g, w in zip(got, want):
-        assert ((g.float() - w).norm() / w.norm()).item() < 2e-2  # bf16 against fp32
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(2, T, n, dim, generator=gen).cuda().bfloat16().transpose(1, 2) for n in (nq, nkv, nkv)]
+    outs = []
+    for impl, xs in ((attention, tensors), (DenseMaskAttention(), [x.float() for x in tensors])):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        out = impl(*leaves, impl.documents(ids_BT), dim**-0.5)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out))
+        outs.append([out.detach(), *(x.grad for x in leaves)])
+    for g, w, what in zip(*outs, ("out", "dq", "dk", "dv")):
+        assert ((g.float() - w).norm() / w.norm()).item() < 2e-2, what  # bf16 against fp32
 
 
 def test_mask_dtype_sanity() -> None:
