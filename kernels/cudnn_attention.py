@@ -3,11 +3,12 @@ and newer), through cudnn-frontend's Python graphs (``pip install '.[gpu]'``, im
 
 The packed batch is the flattened [B*T, heads, d] tokens the projections wrote, seen as a batch of n variable-length
 sequences: each tensor's ragged offsets (document starts x heads x d) say where a document begins, ``seq_len`` how
-long it is, and the kernel's causal band is bounded by each document, so nothing is copied, padded or masked per
-pair. GQA is cuDNN's own (h key/value heads for H query heads). On an H200 (torch 2.11, cuDNN 9.19,
-docs/benchmarks.md, tenth round) these graphs ran fwd + bwd at 1.2-1.6x the speed of torch's varlen flash (FA2) on
-4k windows of short documents and on 32k windows of 2,048-token ones, head dims 128 and 256; this module's path has
-not yet trained on a GPU, so the registry takes it only where named (``kernel_config.attention=cudnn_attention``).
+long it is, and the kernel's causal band is bounded by each document, so nothing is padded or masked per pair and
+nothing is copied where the tensors are in the projections' own layout. GQA is cuDNN's own (h key/value heads for
+H query heads). On an H200 (torch 2.11, cuDNN 9.19, docs/benchmarks.md, tenth round) these graphs ran fwd + bwd
+at 1.2-1.6x the speed of torch's varlen flash (FA2) on 4k windows of short documents and on 32k windows of
+2,048-token ones, head dims 128 and 256; this module's path has not yet trained on a GPU, so the registry takes it
+only where named (``kernel_config.attention=cudnn_attention``).
 
 Why not torch's own cuDNN path (``_cudnn_attention_forward`` with ``cum_seq_q``, what nested tensors take): on torch
 2.11 its backward sizes cuDNN's dQ accumulator from the head dim instead of the longest document and corrupts the
@@ -15,7 +16,8 @@ gradients (pytorch#186142); the frontend builds the graph itself.
 
 A graph is built per (documents, longest document, heads, head dim, tokens, scale) and reused: the document count
 is rounded up to a power of two (the extra documents are empty, at the end) and the longest document to a power of
-two (at most the row), so a run builds a handful of graph pairs (0.1-2.5 s each, measured).
+two (at most the row), so a run builds a handful of graph pairs (0.1-2.5 s each, measured), each at the first batch
+of its bucket (so the ranks of a job may build at different steps).
 """
 
 from __future__ import annotations
@@ -56,10 +58,10 @@ def ragged_documents(cu_seqlens_n1: Tensor, max_len: int, T: int) -> Ragged:
 
 @functools.cache
 def _handle(device_index: int) -> Any:
+    """One cuDNN handle per GPU, created (like the graphs) with that GPU current (``_device``)."""
     import cudnn
 
-    with torch.cuda.device(device_index):
-        return cudnn.create_handle()
+    return cudnn.create_handle()
 
 
 def _stream(dev: torch.device) -> int:
@@ -72,10 +74,16 @@ class _Graph(NamedTuple):
     tensors: dict[str, Any]
 
 
-@functools.lru_cache(maxsize=64)
+def _device(dev: torch.device) -> Any:
+    """The graphs are built and run with the tensors' GPU current (cuDNN loads its kernels on the current one)."""
+    return torch.cuda.device(dev)
+
+
+@functools.cache  # a few (document-count, longest) buckets a run; a pair of graphs is ~a plan each, kept
 def _graph(backward: bool, m: int, s: int, H: int, h: int, d: int, N: int, scale: float, half: bool,
            device_index: int) -> _Graph:
-    """The forward or backward graph of m documents of at most s tokens in N = B*T tokens of [N, heads, d]."""
+    """The forward or backward graph of m documents of at most s tokens in [N = B*T, heads, d] (N: the backward's
+    bound on the tokens; 0 for the forward, which does not depend on it)."""
     import cudnn
 
     dt = cudnn.data_type
@@ -132,60 +140,73 @@ def _graph(backward: bool, m: int, s: int, H: int, h: int, d: int, N: int, scale
     return _Graph(g, t)
 
 
-def _run(backward: bool, buffers: dict[str, Tensor], cu_m1: Tensor, s: int, scale: float) -> None:
+def _run(backward: bool, inputs: dict[str, Tensor], outputs: dict[str, Tensor], cu_m1: Tensor, s: int,
+         scale: float) -> None:
+    """Run the graph on ``inputs`` (copied first where not contiguous: the graphs' strides describe contiguous
+    [N, heads, d] and [N, H] memory) into the contiguous ``outputs``."""
     import cudnn
 
-    q = buffers["q"]
+    assert all(x.is_contiguous() for x in outputs.values())
+    q = inputs["q"]
     N, H, d = q.shape
-    h = buffers["k"].shape[1]
+    h = inputs["k"].shape[1]
     m = cu_m1.numel() - 1
-    graph, tensors = _graph(backward, m, s, H, h, d, N, scale, q.dtype == torch.float16, q.device.index)
-    lengths_m = cu_m1.diff().to(torch.int32)
-    buffers |= {"off_q": cu_m1 * (H * d), "off_kv": cu_m1 * (h * d), "off_stats": cu_m1 * H, "lengths_q": lengths_m,
-                "lengths_kv": lengths_m}
-    workspace = torch.empty(graph.get_workspace_size(), device=q.device, dtype=torch.uint8)
-    handle = _handle(q.device.index)
-    cudnn.set_stream(handle=handle, stream=_stream(q.device))
-    graph.execute({tensors[name]: x for name, x in buffers.items()}, workspace, handle=handle)
+    with _device(q.device):
+        graph, tensors = _graph(backward, m, s, H, h, d, N if backward else 0, scale, q.dtype == torch.float16,
+                                q.device.index)
+        lengths_m = cu_m1.diff().to(torch.int32)
+        buffers = {name: x.contiguous() for name, x in inputs.items()} | outputs | {
+            "off_q": cu_m1 * (H * d), "off_kv": cu_m1 * (h * d), "off_stats": cu_m1 * H, "lengths_q": lengths_m,
+            "lengths_kv": lengths_m}
+        workspace = torch.empty(graph.get_workspace_size(), device=q.device, dtype=torch.uint8)
+        handle = _handle(q.device.index)
+        cudnn.set_stream(handle=handle, stream=_stream(q.device))
+        graph.execute({tensors[name]: x for name, x in buffers.items()}, workspace, handle=handle)
+
+
+def _empty(like: Tensor) -> Tensor:
+    """A contiguous tensor of ``like``'s shape (an output the graphs write, whatever the input's strides)."""
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::cudnn_document_attention", mutates_args=())
 def cudnn_document_attention(q_NHd: Tensor, k_Nhd: Tensor, v_Nhd: Tensor, cu_seqlens_m1: Tensor, longest: int,
                              scale: float) -> tuple[Tensor, Tensor]:
     """Causal attention within each document of the flattened tokens: (o [N, H, d], log-sum-exp [N, H] fp32)."""
-    o_NHd = torch.empty_like(q_NHd)
+    o_NHd = _empty(q_NHd)
     lse_NH = q_NHd.new_empty(q_NHd.shape[:2], dtype=torch.float32)
-    _run(False, {"q": q_NHd, "k": k_Nhd, "v": v_Nhd, "o": o_NHd, "stats": lse_NH}, cu_seqlens_m1, longest, scale)
+    _run(False, {"q": q_NHd, "k": k_Nhd, "v": v_Nhd}, {"o": o_NHd, "stats": lse_NH}, cu_seqlens_m1, longest, scale)
     return o_NHd, lse_NH
 
 
 @cudnn_document_attention.register_fake
 def _(q_NHd, k_Nhd, v_Nhd, cu_seqlens_m1, longest, scale):  # noqa: ANN001, ANN202
-    return torch.empty_like(q_NHd), q_NHd.new_empty(q_NHd.shape[:2], dtype=torch.float32)
+    return _empty(q_NHd), q_NHd.new_empty(q_NHd.shape[:2], dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_NAMESPACE}::cudnn_document_attention_backward", mutates_args=())
 def cudnn_document_attention_backward(do_NHd: Tensor, q_NHd: Tensor, k_Nhd: Tensor, v_Nhd: Tensor, o_NHd: Tensor,
                                       lse_NH: Tensor, cu_seqlens_m1: Tensor, longest: int,
                                       scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = torch.empty_like(q_NHd), torch.empty_like(k_Nhd), torch.empty_like(v_Nhd)
-    _run(True, {"q": q_NHd, "k": k_Nhd, "v": v_Nhd, "o": o_NHd, "do": do_NHd.contiguous(), "stats": lse_NH,
-                "dq": dq, "dk": dk, "dv": dv}, cu_seqlens_m1, longest, scale)
+    dq, dk, dv = _empty(q_NHd), _empty(k_Nhd), _empty(v_Nhd)
+    _run(True, {"q": q_NHd, "k": k_Nhd, "v": v_Nhd, "o": o_NHd, "do": do_NHd, "stats": lse_NH},
+         {"dq": dq, "dk": dk, "dv": dv}, cu_seqlens_m1, longest, scale)
     return dq, dk, dv
 
 
 @cudnn_document_attention_backward.register_fake
 def _(do_NHd, q_NHd, k_Nhd, v_Nhd, o_NHd, lse_NH, cu_seqlens_m1, longest, scale):  # noqa: ANN001, ANN202
-    return torch.empty_like(q_NHd), torch.empty_like(k_Nhd), torch.empty_like(v_Nhd)
+    return _empty(q_NHd), _empty(k_Nhd), _empty(v_Nhd)
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
     q_NHd, k_Nhd, v_Nhd, cu_seqlens_m1, longest, scale = inputs
     ctx.save_for_backward(q_NHd, k_Nhd, v_Nhd, output[0], output[1], cu_seqlens_m1)
     ctx.longest, ctx.scale = longest, scale
+    ctx.mark_non_differentiable(output[1])  # the log-sum-exp is the backward's input, not a differentiable output
 
 
-def _backward(ctx, do_NHd: Tensor, _dlse: Tensor | None):  # noqa: ANN001, ANN202
+def _backward(ctx, do_NHd: Tensor, _lse_grad: Tensor | None):  # noqa: ANN001, ANN202 -- lse: non-differentiable
     q_NHd, k_Nhd, v_Nhd, o_NHd, lse_NH, cu_seqlens_m1 = ctx.saved_tensors
     dq, dk, dv = cudnn_document_attention_backward(do_NHd, q_NHd, k_Nhd, v_Nhd, o_NHd, lse_NH, cu_seqlens_m1,
                                                    ctx.longest, ctx.scale)
@@ -197,7 +218,7 @@ cudnn_document_attention.register_autograd(_backward, setup_context=_setup_conte
 
 class CudnnAttention(DenseMaskAttention):
     """cuDNN's ragged SDPA over the documents of the flattened batch: no cross-document block is computed, no
-    layout copy, GQA native; rows that are one document each take SDPA's causal path."""
+    layout copy, GQA native; an unpacked batch (no documents) takes SDPA's causal path."""
 
     def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
         if known is not None:
@@ -212,14 +233,15 @@ class CudnnAttention(DenseMaskAttention):
                  scale: float) -> Tensor:
         if docs is None:
             return causal_sdpa(q_BHTd, k_BhTd, v_BhTd, scale)
+        if docs.ragged is None:
+            raise ValueError("CudnnAttention got documents built by another kernel: build them with its own "
+                             "documents() (the decoder does, once per batch)")
         if q_BHTd.dtype not in DTYPES:
             raise ValueError(f"kernel_config.attention=cudnn_attention runs bf16 or fp16, this attention gets "
                              f"{q_BHTd.dtype}; fix: train.mixed_precision=bf16, or kernel_config.attention=torch")
         B, H, T, d = q_BHTd.shape
         # [B, heads, T, d] views of the [B, T, heads, d] memory the projections wrote: [N, heads, d] with no copy
-        # (contiguous() copies only a layout the graph's strides do not describe)
-        q_NHd, k_Nhd, v_Nhd = (x.transpose(1, 2).reshape(B * T, x.shape[1], d).contiguous()
-                               for x in (q_BHTd, k_BhTd, v_BhTd))
+        q_NHd, k_Nhd, v_Nhd = (x.transpose(1, 2).reshape(B * T, x.shape[1], d) for x in (q_BHTd, k_BhTd, v_BhTd))
         o_NHd, _ = cudnn_document_attention(q_NHd, k_Nhd, v_Nhd, docs.ragged.cu_seqlens_m1, docs.ragged.longest,
                                             scale)
         return o_NHd.view(B, T, H, d).transpose(1, 2)

@@ -58,7 +58,7 @@ class Env:
     fla_version: str | None = None  # None: flash-linear-attention is not installed
     has_torch_npu: bool = False
     cudnn_frontend_version: str | None = None  # None: nvidia-cudnn-frontend is not installed
-    cudnn_version: int | None = None  # torch's cuDNN (torch.backends.cudnn.version(): 91900 is 9.19.0)
+    cudnn_version: int | None = None  # the cuDNN the frontend loads (91900 is 9.19.0); None: absent or not loaded
 
     @classmethod
     def detect(cls, device_type: str) -> Env:
@@ -69,8 +69,8 @@ class Env:
             triton_version = triton.__version__
         capability = tuple(device.module("cuda").get_device_capability()) if device_type == "cuda" else None
         return cls(device_type, triton_version, capability, _dist_version("flash-linear-attention", "fla-core"),
-                   importlib.util.find_spec("torch_npu") is not None, _dist_version("nvidia-cudnn-frontend"),
-                   torch.backends.cudnn.version() if device_type == "cuda" else None)
+                   importlib.util.find_spec("torch_npu") is not None,
+                   *(_cudnn_frontend() if device_type == "cuda" else (None, None)))
 
     def describe(self) -> str:
         sm = f" (sm_{self.capability[0]}{self.capability[1]})" if self.capability else ""
@@ -78,6 +78,19 @@ class Env:
                  if self.device_type == "cuda" else "")
         return (f"{self.device_type}{sm}, triton {self.triton_version or 'absent'}, flash-linear-attention "
                 f"{self.fla_version or 'absent'}, torch_npu {'present' if self.has_torch_npu else 'absent'}{cudnn}")
+
+
+def _cudnn_frontend() -> tuple[str | None, int | None]:
+    """nvidia-cudnn-frontend's version and the cuDNN library it loads (not necessarily torch's)."""
+    version = _dist_version("nvidia-cudnn-frontend")
+    if version is None:
+        return None, None
+    try:
+        import cudnn
+
+        return version, int(cudnn.backend_version())
+    except Exception:  # noqa: BLE001 -- a frontend that cannot load cuDNN is reported by the kernel's check
+        return version, None
 
 
 def _dist_version(*names: str) -> str | None:
@@ -190,7 +203,7 @@ def _needs_varlen(env: Env) -> str | None:
     return varlen_signature_problem()
 
 
-CUDNN_RAGGED_MIN = 90600  # cuDNN 9.6: the 64-bit ragged offsets the graphs take (tried: 9.19, torch 2.11's)
+CUDNN_RAGGED_MIN = 90600  # cuDNN 9.6: the 64-bit ragged offsets the graphs take (measured on: 9.19, torch 2.11's)
 
 
 def _needs_cudnn_ragged(env: Env) -> str | None:
@@ -198,8 +211,11 @@ def _needs_cudnn_ragged(env: Env) -> str | None:
         return f"cuDNN's ragged attention needs sm_90 or newer, this GPU is sm_{env.capability[0]}{env.capability[1]}"
     if env.cudnn_frontend_version is None:
         return "nvidia-cudnn-frontend is not installed (pip install '.[gpu]')"
-    if env.cudnn_version is None or env.cudnn_version < CUDNN_RAGGED_MIN:
-        return f"torch's cuDNN is {env.cudnn_version}, the ragged attention backward needs {CUDNN_RAGGED_MIN} or newer"
+    if env.cudnn_version is None:
+        return f"cudnn-frontend {env.cudnn_frontend_version} cannot load cuDNN"
+    if env.cudnn_version < CUDNN_RAGGED_MIN:
+        return (f"cudnn-frontend loads cuDNN {env.cudnn_version}; its 64-bit ragged offsets need {CUDNN_RAGGED_MIN} "
+                "or newer")
     return None
 
 
@@ -216,10 +232,10 @@ _ATTENTION = {
     FLEX_ATTENTION: Impl(FLEX_ATTENTION, ("cuda",), lambda cfg: FlexAttention(),
                          _needs_flex, "document BlockMask; compiled at the first packed batch"),
     CUDNN_ATTENTION: Impl(CUDNN_ATTENTION, ("cuda",), _lazy_instance("kernels.cudnn_attention", "CudnnAttention"),
-                          _needs_cudnn_ragged, "cuDNN's ragged SDPA over the documents; a graph per document-count "
-                          "bucket, built at its first batch", opt_in=True),
+                          _needs_cudnn_ragged, "cuDNN's ragged SDPA over the documents; a graph pair per (document "
+                          "count, longest document) bucket, built at its first batch", opt_in=True),
 }
-CUDA_ATTENTION = next(iter(_ATTENTION))
+CUDA_ATTENTION = next(name for name, impl in _ATTENTION.items() if not impl.opt_in)
 
 # FLA's Triton kernels run on CUDA and, through its triton-ascend backends, on NPU.
 _FLA_DEVICES = ("cuda", "npu")

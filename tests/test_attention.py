@@ -277,7 +277,8 @@ def test_cuda_default_and_named_choices(monkeypatch: pytest.MonkeyPatch) -> None
     # named without cudnn-frontend, on an Ampere GPU or with an old cuDNN, it fails saying why
     for env, why in ((replace(HOPPER, cudnn_frontend_version=None), r"pip install '\.\[gpu\]'"),
                      (replace(HOPPER, capability=(8, 0)), "needs sm_90 or newer, this GPU is sm_80"),
-                     (replace(HOPPER, cudnn_version=90100), "cuDNN is 90100, .* needs 90600")):
+                     (replace(HOPPER, cudnn_version=90100), "loads cuDNN 90100; .* need 90600"),
+                     (replace(HOPPER, cudnn_version=None), "cudnn-frontend 1.14.0 cannot load cuDNN")):
         with pytest.raises(ValueError, match=r"kernel_config\.attention=cudnn_attention cannot run on .*" + why):
             choose(KernelConfig(attention="cudnn_attention"), env)
     assert choose(KernelConfig(), Env("cuda", capability=(9, 0))).impl == "varlen_attn"  # no triton: no flex

@@ -8,6 +8,7 @@ binding or flag moves values by O(1). The real cuDNN kernel is compared with the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import types
@@ -209,12 +210,13 @@ def fake_cudnn() -> types.ModuleType:
 
 @pytest.fixture
 def cudnn_on_cpu(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """GLUE: the interpreter as ``cudnn``, one handle, stream 0 (CPU tensors have no CUDA stream); fresh graph
-    caches before and after."""
+    """GLUE: the interpreter as ``cudnn``, one handle, stream 0 and no device switch (CPU tensors have no CUDA
+    stream or device); fresh graph caches before and after."""
     module = fake_cudnn()
     monkeypatch.setitem(sys.modules, "cudnn", module)
     monkeypatch.setattr(cudnn_attention, "_handle", lambda index: "handle")
     monkeypatch.setattr(cudnn_attention, "_stream", lambda dev: 0)
+    monkeypatch.setattr(cudnn_attention, "_device", lambda dev: contextlib.nullcontext())
     cudnn_attention._graph.cache_clear()
     yield module
     cudnn_attention._graph.cache_clear()
@@ -292,3 +294,52 @@ def test_models_train_like_the_dense_mask(cudnn_on_cpu, family: str) -> None:
         assert error <= 1.5 * bf16_error + 2e-3, f"{what}: {error:.4f} vs the bf16 dense mask's {bf16_error:.4f}"
     assert sum(g.executed for g in cudnn_on_cpu.graphs) == 2 * (sum(
         hasattr(layer, "self_attn") for layer in model.model.layers))  # every attention layer's fwd and bwd
+
+
+def test_op_takes_any_layout_and_its_lse_is_not_differentiable(cudnn_on_cpu) -> None:
+    """The op copies what its graphs' strides do not describe (a head-sliced view here) and gives the contiguous
+    input's values; the log-sum-exp it returns is the backward's input, marked non-differentiable."""
+    gen = torch.Generator().manual_seed(1)
+    q_full = torch.randn(600, 6, 16, generator=gen).bfloat16()
+    q_view, k = q_full[:, 1:5], torch.randn(600, 2, 16, generator=gen).bfloat16()
+    cu_m1 = ragged_documents(document_cu_seqlens(document_ids(position_ids(LENGTHS))), 300, T).cu_seqlens_m1
+    op = torch.ops.qwen_moe.cudnn_document_attention
+    assert not q_view.is_contiguous()
+    strided, lse = op(q_view.requires_grad_(), k, k, cu_m1, 300, 0.25)
+    torch.testing.assert_close(strided, op(q_view.contiguous(), k, k, cu_m1, 300, 0.25)[0], rtol=0, atol=0)
+    assert strided.requires_grad and not lse.requires_grad
+
+
+def test_documents_of_another_kernel_are_refused(cudnn_on_cpu) -> None:
+    attention, (q, k, v) = CudnnAttention(), [x.bfloat16() for x in qkv()]
+    other = DenseMaskAttention().documents(document_ids(position_ids(LENGTHS)))
+    with pytest.raises(ValueError, match=r"documents built by another kernel: build them with its own documents"):
+        attention(q, k, v, other, 0.25)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the real cuDNN kernel)")
+def test_cuda_kernel_writes_only_the_documents_rows() -> None:
+    """cuDNN writes o and the ragged log-sum-exp only inside the documents: rows past the last one (where the
+    empty padding documents point) stay as they were, and the values equal the fp32 dense mask's."""
+    from kernels.registry import select_kernels
+    from kernels.config import KernelConfig
+
+    try:
+        select_kernels(KernelConfig(attention="cudnn_attention"), "cuda")
+    except ValueError as error:
+        pytest.skip(str(error))
+    gen = torch.Generator().manual_seed(2)
+    N, guard, (H, h, d) = 2 * T, 64, (16, 2, 256)
+    q, k, v = (torch.randn(N, n, d, generator=gen).cuda().bfloat16() for n in (H, h, h))
+    o_full = torch.full((N + guard, H, d), 7.0, device="cuda", dtype=torch.bfloat16)
+    lse_full = torch.full((N + guard, H), 7.0, device="cuda")
+    ids_BT = document_ids(position_ids(LENGTHS)).cuda()
+    cu_n1 = document_cu_seqlens(ids_BT)
+    ragged = ragged_documents(cu_n1, int(cu_n1.diff().max()), T)
+    cudnn_attention._run(False, {"q": q, "k": k, "v": v}, {"o": o_full[:N], "stats": lse_full[:N]},
+                         ragged.cu_seqlens_m1, ragged.longest, d**-0.5)
+    assert (o_full[N:] == 7.0).all() and (lse_full[N:] == 7.0).all()
+    views = [x.view(2, T, -1, d).transpose(1, 2).float() for x in (q, k, v)]
+    want = DenseMaskAttention()(*views, DenseMaskAttention().documents(ids_BT), d**-0.5)
+    got = o_full[:N].view(2, T, H, d).transpose(1, 2).float()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
