@@ -16,7 +16,8 @@ an object with two methods, chosen once by ``kernels/registry.py`` and shared by
 Implementations: ``DenseMaskAttention`` (the reference: a dense document mask and repeated kv heads; what CPU runs
 and what the tests compare with), ``FlexAttention`` (a document ``BlockMask``: only the blocks on a document's
 causal band are computed) and ``VarlenAttention`` (flash attention over the documents as variable-length
-sequences, ``cu_seqlens`` as FLA's DeltaNet gets them).
+sequences, ``cu_seqlens`` as FLA's DeltaNet gets them); cuDNN's ragged SDPA, ``CudnnAttention``, is in
+``kernels/cudnn_attention.py`` (its own package, imported where used).
 
 Letters as in DEVELOPERS.md, plus: n the documents of a batch (``cu_seqlens`` has n + 1 entries), Q the 128-token
 blocks of a row.
@@ -87,6 +88,15 @@ def _cu_seqlens(ids_BT: Tensor, known: KnownDocuments | None) -> dict[str, Tenso
     if known is None:
         return {"cu_seqlens_n1": document_cu_seqlens(ids_BT), "host_cu_seqlens_n1": None}
     return {"cu_seqlens_n1": known.cu_seqlens_n1, "host_cu_seqlens_n1": known.host_cu_seqlens_n1}
+
+
+def documents_with_longest(ids_BT: Tensor, known: KnownDocuments | None) -> Documents:
+    """The documents and the longest one's length (the launch bound of the variable-length kernels): from the host's
+    copy where known, else found on the device (host reads)."""
+    if known is not None:
+        return Documents(ids_BT, **_cu_seqlens(ids_BT, known), max_len=known.max_len)
+    cu_seqlens_n1 = document_cu_seqlens(ids_BT)
+    return Documents(ids_BT, cu_seqlens_n1, max_len=int(cu_seqlens_n1.diff().max()))
 
 
 class DenseMaskAttention:
@@ -196,10 +206,7 @@ class VarlenAttention(DenseMaskAttention):
         self.gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen).parameters else {}
 
     def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
-        if known is not None:
-            return Documents(ids_BT, **_cu_seqlens(ids_BT, known), max_len=known.max_len)
-        cu_seqlens_n1 = document_cu_seqlens(ids_BT)
-        return Documents(ids_BT, cu_seqlens_n1, max_len=int(cu_seqlens_n1.diff().max()))  # host reads
+        return documents_with_longest(ids_BT, known)
 
     def __call__(self, q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, docs: Documents | None,
                  scale: float) -> Tensor:

@@ -22,12 +22,13 @@ of its bucket (so the ranks of a job may build at different steps).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
 import torch
 
-from kernels.attention import DenseMaskAttention, Documents, KnownDocuments, causal_sdpa, document_cu_seqlens
+from kernels.attention import DenseMaskAttention, Documents, KnownDocuments, causal_sdpa, documents_with_longest
 
 Tensor = torch.Tensor
 MIN_DOCUMENTS = 16  # the smallest document-count bucket
@@ -52,7 +53,8 @@ def ragged_documents(cu_seqlens_n1: Tensor, max_len: int, T: int) -> Ragged:
     most the row length ``T``): the key of the graph the batch reuses. No device read."""
     n = cu_seqlens_n1.numel() - 1
     m = _bucket(n, MIN_DOCUMENTS)
-    cu_m1 = torch.cat([cu_seqlens_n1.to(torch.int64), cu_seqlens_n1[-1:].to(torch.int64).expand(m - n)])
+    cu_n1 = cu_seqlens_n1.to(torch.int64)
+    cu_m1 = torch.cat([cu_n1, cu_n1[-1:].expand(m - n)])
     return Ragged(cu_m1, min(T, _bucket(max_len, MIN_LONGEST)))
 
 
@@ -221,13 +223,8 @@ class CudnnAttention(DenseMaskAttention):
     layout copy, GQA native; an unpacked batch (no documents) takes SDPA's causal path."""
 
     def documents(self, ids_BT: Tensor, known: KnownDocuments | None = None) -> Documents:
-        if known is not None:
-            cu_n1, host_cu_n1, max_len = known.cu_seqlens_n1, known.host_cu_seqlens_n1, known.max_len
-        else:
-            cu_n1, host_cu_n1 = document_cu_seqlens(ids_BT), None
-            max_len = int(cu_n1.diff().max())  # host read
-        return Documents(ids_BT, cu_n1, max_len=max_len, host_cu_seqlens_n1=host_cu_n1,
-                         ragged=ragged_documents(cu_n1, max_len, ids_BT.shape[1]))
+        docs = documents_with_longest(ids_BT, known)
+        return dataclasses.replace(docs, ragged=ragged_documents(docs.cu_seqlens_n1, docs.max_len, ids_BT.shape[1]))
 
     def __call__(self, q_BHTd: Tensor, k_BhTd: Tensor, v_BhTd: Tensor, docs: Documents | None,
                  scale: float) -> Tensor:
