@@ -227,7 +227,21 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
             check_export_dir(Path(cfg.train.output_dir) / "hf")  # checked before any step is trained
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
+    check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
     return spec, model_args, tokenizer
+
+
+def check_balanced_routing(args: Any, cp: int, seq_len: int) -> None:
+    """Round-robin routing (``model.arch.router_force_balance``) goes by a token's position in the rows a rank
+    holds: a cp rank's 1/cp of a row routes as one process does only when its first position's experts repeat row
+    0's, i.e. when seq_len / cp x K is a multiple of E."""
+    local, K, E = seq_len // cp, args.num_experts_per_tok, args.num_experts
+    if cp > 1 and args.router_force_balance and (local * K) % E:
+        raise ValueError(f"model.arch.router_force_balance=true with parallel.cp_size={cp}: each cp rank holds "
+                         f"data.seq_len / cp = {local} tokens of a row, and {local} x "
+                         f"model.arch.num_experts_per_tok={K} must be a multiple of model.arch.num_experts={E} for "
+                         f"the ranks to route as one process; fix: data.seq_len a multiple of "
+                         f"{cp * E // math.gcd(E, K)}")
 
 
 def as_resumed(cfg: TrainConfig, resumed: dict[str, Any] | None) -> TrainConfig:

@@ -26,6 +26,10 @@ class MoeArgs:
     # routing bias moved by this much per step from the global expert loads (0: off, no bias)
     router_z_loss_coef: float = 0.0
     router_bias_update_rate: float = 0.0
+    # Benchmarks only (torchtitan's debug.moe_force_load_balance): every router sends token slot i to expert i mod E
+    # (round robin: equal loads whatever the data), its weights still the softmax's, so throughput compares the
+    # data path, not an untrained router's collapse. What the experts learn is then not a model anyone wants.
+    router_force_balance: bool = False
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
@@ -46,6 +50,10 @@ class MoeArgs:
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.arch.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+        if self.router_force_balance and self.router_bias_update_rate > 0:
+            raise ValueError(f"model.arch.router_force_balance=true routes round robin, so "
+                             f"model.arch.router_bias_update_rate={self.router_bias_update_rate} has no loads to "
+                             f"balance; set it to 0")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"model.arch.num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
                              f"model.arch.num_experts={self.num_experts}]")

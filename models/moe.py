@@ -42,21 +42,27 @@ class TopKRouter(nn.Module):
     checkpoints, not trained by the optimizer) that no Hugging Face checkpoint holds: zero at initialisation and
     after loading one (``reset_expert_bias``), and dropped by the export (transformers' router has none).
     ``z_loss``: the z sum of the stats carries a gradient (else it is computed for the metrics only, keeping
-    nothing for backward)."""
+    nothing for backward). ``force_balance`` (benchmarks only): the choice is ``round_robin_experts`` over each row
+    of ``row_len`` tokens, whatever p says; the weights stay p's."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool, expert_bias: bool = False,
-                 z_loss: bool = False) -> None:
+                 z_loss: bool = False, force_balance: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.z_loss = z_loss
+        self.force_balance = force_balance
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
 
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+    def forward(self, x_ND: torch.Tensor, row_len: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
         logits_NE = F.linear(x_ND, self.weight)
         probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
-        if self.expert_bias is None:
+        if self.force_balance:
+            experts_NK = round_robin_experts(*probs_NE.shape, self.top_k, row_len or x_ND.shape[0], x_ND.device)
+            weights_NK = probs_NE.gather(-1, experts_NK)
+        elif self.expert_bias is None:
             weights_NK, experts_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         else:
             experts_NK = torch.topk(probs_NE + self.expert_bias, self.top_k, dim=-1).indices
@@ -88,6 +94,17 @@ class TopKRouter(nn.Module):
     def reset_expert_bias(self) -> None:
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+
+def round_robin_experts(num_tokens: int, num_experts: int, top_k: int, row_len: int,
+                        device: torch.device) -> torch.Tensor:
+    """experts_NK of equal loads whatever the tokens: slot k of the token at position t of its row of ``row_len``
+    goes to expert (t K + k) mod E. A token's K experts are distinct (K <= E); each row gives every expert T K / E
+    slots, give or take one. By position, not by the rank's token count, so every layout routes every token as one
+    process does (under context parallelism, whose ranks hold 1/cp of each row, when T / cp x K is a multiple of E).
+    """
+    t_N = torch.arange(num_tokens, device=device) % row_len
+    return (t_N[:, None] * top_k + torch.arange(top_k, device=device)) % num_experts
 
 
 class ExpertWeights(NamedTuple):
@@ -191,14 +208,14 @@ class GroupedExperts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool,
-                 expert_bias: bool = False, z_loss: bool = False) -> None:
+                 expert_bias: bool = False, z_loss: bool = False, force_balance: bool = False) -> None:
         super().__init__()
-        self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob, expert_bias, z_loss)
+        self.gate = TopKRouter(dim, num_experts, top_k, norm_topk_prob, expert_bias, z_loss, force_balance)
         self.experts = GroupedExperts(num_experts, dim, intermediate)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        weights_NK, experts_NK, stats = self.gate(x_ND)
+        weights_NK, experts_NK, stats = self.gate(x_ND, row_len=x_BTD.shape[1])
         y_ND = self.experts(x_ND, experts_NK, weights_NK)
         return y_ND.view_as(x_BTD), stats
 

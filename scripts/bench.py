@@ -21,6 +21,11 @@ LM head over trained labels only, so packed and causal rows compare fairly; toke
 space of the output and Triton cache directories is printed at start and end (a full disk fails a checkpoint write
 with ``unexpected pos``).
 
+Routing (``--routing``): ``learned`` (default) is the model's router, which on random weights may collapse onto a
+few experts as it trains, differently on random ids and on text, so two data sources' rows then differ by their
+grouped GEMMs' shapes; ``balanced`` routes every token round robin (``model.arch.router_force_balance``: equal
+expert loads whatever the data), so rows of different data compare the data path alone.
+
     python scripts/bench.py --layers 4 --seq-len 32768 --local-batch 1 --docs fixed:2048
 """
 
@@ -85,7 +90,8 @@ def cell_overrides(args: argparse.Namespace, layout: str, dispatcher: str, out: 
             f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
             f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
             "train.save_final=false", "logging.tensorboard=false", f"logging.profile_step={args.profile_step}",
-            f"logging.profile_steps={args.profile_steps}", *args.extra]
+            f"logging.profile_steps={args.profile_steps}",
+            *(["model.arch.router_force_balance=true"] if args.routing == "balanced" else []), *args.extra]
 
 
 def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
@@ -136,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--docs", default="none",
                         help="none | fixed:N | lognormal:MEDIAN,SIGMA | chitchat (packed documents, see above)")
     parser.add_argument("--seed", type=int, default=0, help="token ids and --docs lognormal lengths")
+    parser.add_argument("--routing", choices=("learned", "balanced"), default="learned",
+                        help="the model's router, or round robin for every token (see above)")
     parser.add_argument("extra", nargs="*", help="more train.py overrides")
     return parser
 
@@ -150,7 +158,8 @@ def main() -> None:
     rows = [run_cell(args, layout, dispatcher, args.out, tokens)
             for layout in args.layouts.split(",") for dispatcher in args.dispatchers.split(",")]
     print(f"\n{args.model} x {args.layers} layers, seq {args.seq_len}, local batch {args.local_batch}, "
-          f"{args.nproc} process(es), documents {args.docs}, mean over steps {args.warmup + 1}..{args.steps}")
+          f"{args.nproc} process(es), documents {args.docs}, routing {args.routing}, "
+          f"mean over steps {args.warmup + 1}..{args.steps}")
     print("| layout | dispatcher | tokens/s/GPU | TFLOPS/GPU | MFU | attended MFU | peak mem GiB | data loading | "
           "final loss |")
     print("|---|---|---|---|---|---|---|---|---|")

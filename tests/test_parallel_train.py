@@ -3,7 +3,9 @@ the same token file and logs the loss and grad norm of the single-process run (f
 differ only in summation order). One EP layout also trains on chat data with only the assistant tokens trained,
 where the dp ranks hold different numbers of trained tokens: the loss is normalised by the global count. With the
 research knobs on (aux-loss-free balancing biases, router z-loss, held-out validation), EP and CP layouts log the
-single process's losses and validation losses and end with its biases."""
+single process's losses and validation losses and end with its biases. Round-robin routing (the benchmarks'
+``--routing balanced``) trains alike in EP and CP layouts too: it goes by a token's position in the rows a rank
+holds, which a cp rank's half of a row repeats."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ CHATS = "ep2"  # the layout (dp 4) that also trains on masked chats
 KNOBS = ["model.arch.router_bias_update_rate=0.01", "model.arch.router_z_loss_coef=0.01", "data.val_fraction=0.3",
          "train.eval_every=1", "train.eval_batches=1", "train.save_final=true"]
 KNOB_LAYOUTS = {"ep2": LOCAL_BATCH, "cp2": 2 * LOCAL_BATCH}  # the local batch of the reference's global batch
+BALANCED = ["model.arch.router_force_balance=true"]
 
 
 def train_config(tmp_path: Path, parallel: str, local_batch: int, *overrides: str, run: str | None = None,
@@ -72,12 +75,15 @@ def runs(tmp_path_factory):
     single_chats = train_config(tmp_path, "single", LOCAL_BATCH * WORLD, run="single-chats", chats=True)
     write_inputs(tmp_path, dict(single_chats.model.arch), chats=True)
     single_knobs = train_config(tmp_path, "single", LOCAL_BATCH * WORLD, *KNOBS, run="single-knobs", chats=True)
-    reference = {"tokens": train.run(single), "chats": train.run(single_chats), "knobs": train.run(single_knobs)}
+    single_balanced = train_config(tmp_path, "single", LOCAL_BATCH * WORLD, *BALANCED, run="single-balanced")
+    reference = {"tokens": train.run(single), "chats": train.run(single_chats), "knobs": train.run(single_knobs),
+                 "balanced": train.run(single_balanced)}
     cfgs = {p: train_config(tmp_path, p, LOCAL_BATCH) for p in PRESETS}
     cfgs[f"{CHATS}-chats"] = train_config(tmp_path, CHATS, LOCAL_BATCH, run=f"{CHATS}-chats", chats=True)
     for layout, local_batch in KNOB_LAYOUTS.items():
         cfgs[f"{layout}-knobs"] = train_config(tmp_path, layout, local_batch, *KNOBS, run=f"{layout}-knobs",
                                                chats=True)
+        cfgs[f"{layout}-balanced"] = train_config(tmp_path, layout, local_batch, *BALANCED, run=f"{layout}-balanced")
     return reference, run_distributed(train_worker, WORLD, cfgs), cfgs
 
 
@@ -123,3 +129,15 @@ def test_router_knobs_and_validation_are_the_same_in_every_layout(runs, layout):
     assert any(t.abs().sum() > 0 for t in biases[1].values())  # the biases really moved
     for name, bias in biases[0].items():
         torch.testing.assert_close(bias, biases[1][name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", list(KNOB_LAYOUTS))
+def test_round_robin_routing_trains_alike_in_every_layout(runs, layout):
+    """Loss and grad norm with ``model.arch.router_force_balance`` against the single-process run, and the
+    routing really changed the run (its losses are not the learned router's)."""
+    references, results, _ = runs
+    got, want = results[f"{layout}-balanced"], references["balanced"]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
+    assert want[-1]["loss"] != pytest.approx(references["tokens"][-1]["loss"], rel=1e-3)

@@ -1,7 +1,8 @@
 """Research knobs of the router and the run, each against a reference: the aux-loss-free balancing bias against a
 hand computation (selection only, kept in checkpoints, zero after a Hugging Face load, left out of the export), the
-router z-loss against its formula, and the held-out validation data (whole documents, layout-independent batches).
-The same values under the parallel layouts: tests/test_parallel_train.py."""
+router z-loss against its formula, the benchmarks' round-robin routing (equal loads by row position, the softmax's
+weights, refused where a layout would route otherwise), and the held-out validation data (whole documents,
+layout-independent batches). The same values under the parallel layouts: tests/test_parallel_train.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 import train
 from models import build_args, get_spec
 from models.hf_io import export_state_dict_hf, load_hf_into_model
-from models.moe import TopKRouter
+from models.moe import TopKRouter, round_robin_experts
+from tests.conftest import compose_config
+from training.config import config_warnings
 from training.data.config import DataConfig
 from training.data.loader import build_data_loader
 from training.data.packing import Source, hold_out
@@ -66,6 +69,70 @@ def test_z_loss_share_against_its_formula_and_its_gradient() -> None:
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
     quiet = TopKRouter(8, 4, 2, True)  # z_loss off: the statistic is there, with nothing kept for backward
     assert not quiet(xs[0])[2].z_sum.requires_grad
+
+
+def test_round_robin_gives_every_expert_equal_loads_by_row_position() -> None:
+    experts_NK = round_robin_experts(3 * 12, num_experts=8, top_k=2, row_len=12, device=torch.device("cpu"))
+    rows = experts_NK.view(3, 12, 2)
+    assert rows[0, :5].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]]
+    assert all(torch.equal(rows[0], row) for row in rows)  # by position in the row, not in the batch
+    assert torch.bincount(rows[0].flatten(), minlength=8).tolist() == [3] * 8  # 24 slots of a row on 8 experts
+    odd = round_robin_experts(5, num_experts=3, top_k=3, row_len=5, device=torch.device("cpu"))
+    assert all(len(set(token)) == 3 for token in odd.tolist())  # K = E: every expert once per token
+    # a cp rank's half of a 16-token row routes as the whole row does there, since 8 x K = 16 is a multiple of E
+    whole = round_robin_experts(16, 8, 2, 16, torch.device("cpu"))
+    assert torch.equal(whole[8:], round_robin_experts(8, 8, 2, 8, torch.device("cpu")))
+    assert not torch.equal(whole[5:], round_robin_experts(11, 8, 2, 11, torch.device("cpu")))  # 11 x 2 is not
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_forced_balance_ignores_the_scores_and_keeps_their_weights(norm_topk_prob) -> None:
+    torch.manual_seed(0)
+    router = TopKRouter(8, 4, 2, norm_topk_prob, force_balance=True)
+    torch.nn.init.normal_(router.weight, std=1.0)
+    x = torch.randn(8, 8)
+    weights, experts, stats = router(x, row_len=4)
+    assert torch.equal(experts, round_robin_experts(8, 4, 2, 4, torch.device("cpu")))
+    assert torch.equal(router(torch.randn(8, 8), row_len=4)[1], experts)  # whatever the tokens
+    chosen = torch.softmax(x @ router.weight.T, dim=-1).gather(-1, experts)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True) if norm_topk_prob else chosen)
+    assert stats.counts_E.tolist() == [4.0] * 4
+    (weights * torch.randn_like(weights)).sum().backward()  # (renormalised weights sum to 1: a plain sum has no grad)
+    assert router.weight.grad.abs().sum() > 0  # the router still learns through the weights it gives
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_both_families_route_round_robin_when_forced(family) -> None:
+    arch = {**ARCH, "router_force_balance": True, "num_experts": 8}
+    if family == "qwen3_5_moe":  # one DeltaNet layer, then one of gated attention
+        arch.update(full_attention_interval=2, head_dim=16, mrope_section=[1, 1, 0], linear_num_value_heads=4,
+                    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                    shared_expert_intermediate_size=16)
+    args = build_args(family, arch)
+    model = get_spec(family).model_cls(args)
+    model.init_weights()
+    seen = []
+    for router in model.routers():
+        router.register_forward_hook(lambda module, inputs, out: seen.append(out[1]))
+    model(torch.randint(0, 128, (2, 12)))
+    assert len(seen) == 2
+    for experts in seen:
+        assert torch.equal(experts, round_robin_experts(24, 8, 2, 12, torch.device("cpu")))
+
+
+def test_forced_balance_is_refused_where_it_cannot_hold_and_warned_of_where_it_runs() -> None:
+    with pytest.raises(ValueError, match=r"force_balance=true .*router_bias_update_rate=0.01 has no loads .* to 0"):
+        build_args("qwen3_moe", {**ARCH, "router_force_balance": True, "router_bias_update_rate": 0.01})
+    # 8 experts top-2: a cp2 rank's 10 tokens of a 20-token row start at expert 20 mod 8 = 4, not 0
+    cfg = compose_config(["parallel=cp2", "data.seq_len=20", "model.arch.router_force_balance=true"])
+    with pytest.raises(ValueError, match=r"parallel.cp_size=2: .* 10 x model.arch.num_experts_per_tok=2 must be a "
+                                         r"multiple of model.arch.num_experts=8 .* data.seq_len a multiple of 8"):
+        train.check_config(cfg, world_size=2)
+    train.check_config(compose_config(["parallel=cp2", "data.seq_len=24", "model.arch.router_force_balance=true"]),
+                       world_size=2)
+    train.check_config(compose_config(["parallel=cp2", "data.seq_len=20"]), world_size=2)  # learned routing: fine
+    warned = config_warnings(compose_config(["model.arch.router_force_balance=true"]))
+    assert len(warned) == 1 and "router_force_balance=true" in warned[0] and "no usable model" in warned[0]
 
 
 def test_the_bias_is_checkpointed_reset_by_a_hugging_face_load_and_left_out_of_the_export(tmp_path) -> None:

@@ -244,6 +244,9 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
              if 0 < steps < o.warmup_steps else [])
     if cfg.train.compile:
         lines.append(COMPILE_VERDICT)
+    if cfg.model.arch.get("router_force_balance"):
+        lines.append("model.arch.router_force_balance=true: every router sends its tokens round robin (equal expert "
+                     "loads, a benchmark setting): the routing is not learned, so this run trains no usable model")
     return lines
 
 

@@ -93,7 +93,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         # Qwen3.5 always renormalises the top-k weights (its config has no norm_topk_prob).
         super().__init__(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
                          norm_topk_prob=True, expert_bias=args.router_bias_update_rate > 0,
-                         z_loss=args.router_z_loss_coef > 0)
+                         z_loss=args.router_z_loss_coef > 0, force_balance=args.router_force_balance)
         self.shared_expert = SwiGLU(args.hidden_size, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 

@@ -26,7 +26,8 @@ class DecoderLayer(MoeDecoderLayer):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = SparseMoeBlock(args.hidden_size, args.num_experts, args.num_experts_per_tok,
                                   args.moe_intermediate_size, args.norm_topk_prob,
-                                  expert_bias=args.router_bias_update_rate > 0, z_loss=args.router_z_loss_coef > 0)
+                                  expert_bias=args.router_bias_update_rate > 0, z_loss=args.router_z_loss_coef > 0,
+                                  force_balance=args.router_force_balance)
 
     def mix(self, h_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
             docs: Documents | None) -> torch.Tensor:
