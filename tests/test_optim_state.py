@@ -10,7 +10,9 @@ import math
 import pytest
 import torch
 
+import models
 import train
+from tests.dist_utils import debug_model_args, seeded_weights
 from tests.test_checkpoint import losses
 from training.checkpoint import load_checkpoint
 from training.config import OptimConfig, validate
@@ -211,3 +213,53 @@ def test_the_triton_update_gated_on_the_device_is_the_host_scaled_one_or_nothing
     for a, b in zip(refused, (p0, m0, v0, torch.zeros_like(p0, dtype=torch.bfloat16)), strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(host[0], p0)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # torch's AdamW, and ours
+def test_weight_decay_reaches_every_matrix_and_no_vector(state_dtype: str) -> None:
+    """build_optimizer's groups, seen through a step on zero gradients (Adam's update is then 0, so a parameter moves
+    by its decay alone): the embedding, the LM head, every projection, the routers and the experts' 3-D weights shrink
+    by lr x weight_decay; norm weights keep their values."""
+    args = debug_model_args()
+    model = models.get_spec("qwen3_moe").model_cls(args)
+    model.load_state_dict(seeded_weights(args))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    cfg = OptimConfig(lr=0.1, weight_decay=0.5, state_dtype=state_dtype)
+    optimizer = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    clipped_step(optimizer, model, 0.0, 0.0)
+    decayed = {name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])}
+    matrices = {name for name, p in before.items() if p.ndim >= 2}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"} <= matrices
+    assert decayed == matrices and all(before[name].ndim == 1 for name in set(before) - matrices)
+    for name in matrices:
+        torch.testing.assert_close(model.get_parameter(name).detach(), before[name] * (1 - cfg.lr * cfg.weight_decay))
+
+
+@pytest.mark.parametrize("kind, path", [("torch", "clipped_step"), ("float32", "clipped_step"),
+                                        ("bfloat16", "clipped_step"), ("float32", "queue_step"),
+                                        ("bfloat16", "queue_step")])  # torch's AdamW steps after the read only
+def test_a_gradient_within_the_clip_trains_as_with_clipping_off(kind: str, path: str) -> None:
+    """Clipping only ever scales down: a step whose norm is below optim.grad_clip is the step without clipping, to
+    the bit (every test elsewhere clips a norm above it). The coefficient itself: min(max_norm / norm, 1)."""
+    assert clip_coefficient(1.0, 0.25) == 1.0 and clip_coefficient(1.0, torch.tensor(0.25)).item() == 1.0
+    runs = []
+    for max_norm in (100.0, 0.0):  # gradients of norm 5 to 12; 0: not clipped
+        init, grads = _problem()
+        params = [torch.nn.Parameter(p.clone()) for p in init]
+        model = torch.nn.ParameterList(params)
+        optimizer = (torch.optim.AdamW(params, **HYPER) if kind == "torch"
+                     else AdamW([{"params": params}], **HYPER, state_dtype=getattr(torch, kind)))
+        for step_grads in grads[:3]:
+            for p, grad in zip(params, step_grads):
+                p.grad = grad.clone()
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in step_grads]))
+            if path == "queue_step":
+                queue_step(optimizer, max_norm, norm, torch.ones(3))
+            else:
+                clipped_step(optimizer, model, max_norm, norm.item())
+        runs.append([p.detach() for p in params])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
