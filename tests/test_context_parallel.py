@@ -214,8 +214,12 @@ def assert_documents_separate(model: torch.nn.Module, packed_logits: torch.Tenso
 
 
 @pytest.mark.parametrize("family", list(TINY))
-def test_packed_documents_equal_separate_rows(family):
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_packed_documents_equal_separate_rows(family, mode):
+    """eval: evaluation without autograd, where DeltaNet runs its token-by-token rule on rows of <= 64 tokens: it
+    too must restart its state at every document."""
     model = seeded_model(family, initializer_range=0.1)  # far from uniform attention, so a leak would show
+    model.train(mode == "train")
     with torch.no_grad():
         packed = model(*packed_batch()).logits
     assert_documents_separate(model, packed)

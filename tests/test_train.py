@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
@@ -72,6 +73,24 @@ def test_grad_accumulation_equals_the_larger_batch(tiny_run_config, tmp_path):
     for a, b in zip(big, accum):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_grad_accumulation_of_equal_micro_batches_equals_the_larger_batch_with_the_router_losses(tiny_run_config,
+                                                                                                 tmp_path):
+    """With the router aux and z-losses on: where every window is the same, each micro-batch's router statistics are
+    the larger batch's, so accumulating 2 x 2 must give the 4-row batch's losses and gradients exactly (each
+    micro-batch's router losses count 1 / grad_accum_steps, as its cross-entropy does)."""
+    window = np.random.default_rng(0).integers(0, 256, size=33)
+    np.save(tmp_path / "same.npy", np.tile(window, 4))  # 4 windows of 33 tokens, all one: one global batch
+    same = (f"data.path={tmp_path / 'same.npy'}", "model.arch.router_aux_loss_coef=0.1",
+            "model.arch.router_z_loss_coef=0.1")
+    big = train.run(tiny_run_config("train.steps=3", "train.local_batch_size=4", *same))
+    accum = train.run(tiny_run_config("train.steps=3", "train.local_batch_size=2", "train.grad_accum_steps=2", *same,
+                                      f"train.output_dir={tmp_path / 'accum'}"))
+    assert len(big) == len(accum) == 3 and big[0]["aux_loss"] > 0 and big[0]["z_loss"] > 0
+    for a, b in zip(big, accum):
+        for key in ("loss", "aux_loss", "z_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
 
 def test_adamw_choice_and_fused_adamw_trains_like_foreach(tiny_run_config, tmp_path):
