@@ -1,5 +1,5 @@
-"""Cross-mesh gradient clipping on 2 gloo ranks: the norm equals the norm of the gathered (unsharded)
-gradients for plain, FSDP, HSDP and EP+expert-FSDP layouts, clipping scales every shard by one coefficient,
+"""Cross-mesh gradient clipping on 2 gloo ranks (and 4, for experts split over ep and efsdp both): the norm equals
+the norm of the gathered (unsharded) gradients for plain, FSDP, HSDP and EP+expert-FSDP layouts, clipping scales every shard by one coefficient,
 and the warm-up call before any backward runs the same collectives on every rank and returns 0."""
 
 from __future__ import annotations
@@ -48,16 +48,29 @@ def _norm_worker(rank: int, world_size: int, cfgs: dict, weights: dict, tokens_G
     return out
 
 
+def _norms(world: int, presets: list[str]) -> dict:
+    cfgs = {p: compose_config([f"parallel={p}"]).parallel for p in presets}
+    tokens = synthetic_batches(1, 4, 16, debug_model_args().vocab_size)[0]
+    return run_distributed(_norm_worker, world, cfgs, seeded_weights(debug_model_args()), tokens)
+
+
 @pytest.fixture(scope="module")
 def norms():
-    cfgs = {p: compose_config([f"parallel={p}"]).parallel for p in PRESETS}
-    tokens = synthetic_batches(1, 4, 16, debug_model_args().vocab_size)[0]
-    return run_distributed(_norm_worker, WORLD, cfgs, seeded_weights(debug_model_args()), tokens)
+    return _norms(WORLD, PRESETS)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_norm_equals_the_unsharded_norm_and_clipping_scales_every_shard(norms, preset):
-    r = norms[preset]
+    _check_norm(norms[preset])
+
+
+def test_the_norm_counts_both_expert_groups_where_experts_are_split_over_ep_and_efsdp():
+    """ep2 on 4 ranks: each expert weight is sharded over ep (which experts) and over efsdp 2 (their rows), so its
+    squares are summed over both groups (on 2 ranks no layout has both)."""
+    _check_norm(_norms(4, ["ep2"])["ep2"])
+
+
+def _check_norm(r: dict) -> None:
     assert r["warm_up"] == 0.0
     assert r["norm"] == pytest.approx(r["unsharded"], rel=1e-5)  # fp32 sums in a different order
     assert r["unchanged"]  # max_norm <= 0 only measures

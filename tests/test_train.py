@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import train
 from models import build_args, get_spec
 from tests.conftest import TINY_MODEL, compose_config, write_chats
+from training.data.loader import build_data_loader
 from training.data.tokenizer import QwenTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,6 +146,27 @@ def test_masked_chats_train_the_same_with_the_lm_head_on_the_trained_rows_only(t
     every = run("every")
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in rows] == pytest.approx([m[key] for m in every], rel=1e-5)
+
+
+def test_the_first_loss_on_masked_chats_is_the_cross_entropy_over_the_trained_labels(tmp_path):
+    """The loss is a mean over the trained labels only (not over the rows labelled -100, most of a masked chat): the
+    logged loss of step 0 against F.cross_entropy of the saved initial model over the loader's first batch."""
+    chats = write_chats(tmp_path / "chats.jsonl")
+    cfg = compose_config([*TINY_MODEL, f"model.arch.vocab_size={QwenTokenizer().vocab_size}", "data=jsonl",
+                          f"data.path={chats}", "data.mask_non_assistant=true", "data.seq_len=32",
+                          f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'run'}",
+                          "train.steps=0", "train.local_batch_size=2", "logging.tensorboard=false", "train.device=cpu"])
+    logged = train.run(cfg)[0]["loss"]
+    model = get_spec("qwen3_moe").model_cls(build_args("qwen3_moe", dict(cfg.model.arch)))
+    model.load_state_dict(load_file(Path(cfg.train.output_dir) / "model.safetensors"))
+    batch = next(build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=2, dp_rank=0, dp_size=1,
+                                   tokenizer=cfg.model.tokenizer, model_vocab_size=QwenTokenizer().vocab_size))
+    trained = (batch["labels"] != -100).float().mean().item()
+    assert 0.05 < trained < 0.95  # both kinds of rows in the batch
+    with torch.no_grad():
+        logits = model(batch["input_ids"], batch["position_ids"]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    assert logged == pytest.approx(want.item(), rel=1e-5)
 
 
 def test_unknown_config_key_is_rejected_by_name():
