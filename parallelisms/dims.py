@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.device import dist_backend, local_device
 from parallelisms.config import ParallelConfig
+from parallelisms.validate import validate_sizes
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,10 @@ def init_distributed(device_type: str, cfg: ParallelConfig) -> None:
 
 
 def build_parallel_dims(cfg: ParallelConfig, world_size: int, rank: int, device_type: str) -> ParallelDims:
-    """Sizes from the (validated) config, and every mesh when there is more than one process."""
+    """Sizes from the config, and every mesh when there is more than one process. The sizes are checked first: a
+    layout for more processes than were started (a multi-process preset without torchrun) is one line."""
+    validate_sizes(cfg, world_size, "; this is one process (WORLD_SIZE=1): start several with "
+                                    "launch.nproc_per_node=N, or torchrun --nproc-per-node N" if world_size == 1 else "")
     sizes = resolve_sizes(cfg, world_size)
     meshes = _build_meshes(sizes, device_type) if world_size > 1 else {}
     return ParallelDims(**vars(sizes), rank=rank, meshes=meshes)

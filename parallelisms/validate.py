@@ -45,6 +45,28 @@ def _check_context_parallel(cp: int, world_size: int, heads: HeadCounts | None, 
                f"{shared} / cp heads, or one head repeated); {fix}")
 
 
+def validate_sizes(cfg: ParallelConfig, world_size: int, alone: str = "") -> None:
+    """The layout's sizes against the world size: what building the meshes divides by (``build_parallel_dims`` runs
+    it first, so a layout for more processes than were started is this one line, not a ZeroDivisionError).
+    ``alone``: added to the message (how to start more processes)."""
+    # Topology: world = dp x cp = mp_replicate x mp_shard.
+    cp = cfg.cp_size
+    _check(cp >= 1 and world_size % cp == 0,
+           f"parallel.cp_size={cp} must divide the world size {world_size}; fix: one of {_divisors(world_size)}{alone}")
+    dp = world_size // cp  # derived, as mp_shard below: dims.resolve_sizes
+    rep = cfg.mp_replicate_size
+    _check(rep >= 1 and world_size % rep == 0, f"parallel.mp_replicate_size={rep} must divide the world size "
+                                               f"{world_size}; fix: one of {_divisors(world_size)}{alone}")
+    # Experts: dp = edp x efsdp x ep.
+    ep = cfg.ep_size
+    _check(ep >= 1 and dp % ep == 0, f"parallel.ep_size={ep} must divide dp={dp} (world {world_size} / "
+                                     f"cp {cp}); fix: parallel.ep_size one of {_divisors(dp)}{alone}")
+    efsdp = cfg.efsdp_size
+    _check(efsdp == -1 or (efsdp >= 1 and (dp // ep) % efsdp == 0),
+           f"parallel.efsdp_size={efsdp} must divide dp/ep={dp // ep} (dp {dp} / ep {ep}); fix: "
+           f"parallel.efsdp_size one of {_divisors(dp // ep)}, or -1 for dp/ep (no expert replication){alone}")
+
+
 def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: int,
                              heads: HeadCounts | None = None, seq_len: int | None = None) -> None:
     """``heads``: the model's head counts that context parallelism splits (``ModelSpec.cp_head_counts``) and
@@ -57,29 +79,14 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: 
     _check(cfg.dist_timeout > 0, f"parallel.dist_timeout={cfg.dist_timeout} must be a positive number of seconds")
     _check(cfg.cp_mode in CP_MODES, f"parallel.cp_mode={cfg.cp_mode!r} must be one of {', '.join(CP_MODES)}")
 
-    # Topology: world = dp x cp = mp_replicate x mp_shard.
-    cp = cfg.cp_size
-    _check(cp >= 1 and world_size % cp == 0,
-           f"parallel.cp_size={cp} must divide the world size {world_size}; fix: one of {_divisors(world_size)}")
-    if cp > 1:
-        _check_context_parallel(cp, world_size, heads, seq_len)
-    dp = world_size // cp  # derived, as mp_shard below: dims.resolve_sizes
-    rep = cfg.mp_replicate_size
-    _check(rep >= 1 and world_size % rep == 0, f"parallel.mp_replicate_size={rep} must divide the world size "
-                                               f"{world_size}; fix: one of {_divisors(world_size)}")
-
-    # Experts: dp = edp x efsdp x ep.
-    ep = cfg.ep_size
-    _check(ep >= 1 and dp % ep == 0, f"parallel.ep_size={ep} must divide dp={dp} (world {world_size} / "
-                                     f"cp {cp}); fix: parallel.ep_size one of {_divisors(dp)}")
+    validate_sizes(cfg, world_size)
+    if cfg.cp_size > 1:
+        _check_context_parallel(cfg.cp_size, world_size, heads, seq_len)
+    dp, ep, rep = world_size // cfg.cp_size, cfg.ep_size, cfg.mp_replicate_size  # dp derived: dims.resolve_sizes
     _check(num_experts % ep == 0,
            f"parallel.ep_size={ep} must divide model.arch.num_experts={num_experts} (each EP rank holds "
            f"num_experts / ep experts); fix: parallel.ep_size one of "
            f"{[d for d in _divisors(dp) if num_experts % d == 0]}")
-    efsdp = cfg.efsdp_size
-    _check(efsdp == -1 or (efsdp >= 1 and (dp // ep) % efsdp == 0),
-           f"parallel.efsdp_size={efsdp} must divide dp/ep={dp // ep} (dp {dp} / ep {ep}); fix: "
-           f"parallel.efsdp_size one of {_divisors(dp // ep)}, or -1 for dp/ep (no expert replication)")
 
     # What each backend can do.
     if b.name == "none":

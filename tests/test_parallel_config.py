@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from parallelisms import BackendConfig, ParallelConfig, resolve_sizes, validate_parallel_config
+import train
+from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, resolve_sizes, validate_parallel_config
 from tests.conftest import CONF_DIR, compose_config
 
 PRESETS = sorted(p.stem for p in Path(CONF_DIR, "parallel").glob("*.yaml"))
@@ -132,3 +133,14 @@ def test_derived_sizes_come_from_one_place():
     assert (sizes.dp, sizes.cp, sizes.ep, sizes.efsdp, sizes.edp) == (32, 1, 4, 2, 4)
     assert (sizes.mp_replicate, sizes.mp_shard) == (2, 16)
     assert resolve_sizes(replace(cfg, cp_size=2), 32).expert_mesh_shape == (2, 2, 4, 2)
+
+
+def test_a_layout_for_more_processes_than_started_is_one_line_before_any_mesh(tiny_run_config):
+    """parallel=ep2 in one process (no torchrun; before: a ZeroDivisionError while building the meshes), and ep4 on
+    2 ranks (under torchrun with too few: each rank's 80-line traceback): the sizes are checked first."""
+    with pytest.raises(ValueError, match=r"parallel.ep_size=2 must divide dp=1 .*this is one process \(WORLD_SIZE=1\): "
+                                         r"start several with launch.nproc_per_node=N"):
+        train.run(tiny_run_config("parallel=ep2"))
+    with pytest.raises(ValueError, match=r"parallel.ep_size=4 must divide dp=2 \(world 2 / cp 1\); fix: parallel."
+                                         r"ep_size one of \[1, 2\]$"):
+        build_parallel_dims(compose_config(["parallel=ep4"]).parallel, 2, 0, "cpu")  # no process group: not reached
