@@ -33,8 +33,8 @@ from core import device
 from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
 from models.causal_lm import trained_rows
-from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
-                          read_hf_config)
+from models.hf_io import (args_from_hf_config, check_export_dir, check_hf_into_model, export_hf, load_hf_into_model,
+                          preset_differences, read_hf_config)
 from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
@@ -517,6 +517,8 @@ def build_model(cfg: TrainConfig, spec: models.ModelSpec, model_args: Any, dims:
     model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
                                            torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher,
                                            compile_blocks=cfg.train.compile)
+    if cfg.model.init_from is not None and load_init_from:
+        check_hf_into_model(model, cfg.model.init_from)  # on meta: weights that do not fit allocate nothing
     model.to_empty(device=dev)
     if cfg.model.init_from is not None and load_init_from:
         load_hf_into_model(model, cfg.model.init_from)  # each rank reads only the slices it owns

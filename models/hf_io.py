@@ -306,6 +306,18 @@ def load_into_model(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) ->
     _copy_into(model, state_dict, lambda full, box: full[box])
 
 
+def check_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
+    """``load_hf_into_model``'s check (names, global shapes, dtypes) against the safetensors headers alone, on the
+    model still on the meta device: a config.json that its weights disagree with (vocab_size=2e8 beside 256 rows)
+    is refused before its model is allocated."""
+    with _disk_sources(hf_dir) as sources:
+        try:
+            check_state_dict(model, sources)
+        except ValueError as e:
+            raise ValueError(f"model.init_from={hf_dir}: its weights do not match the model its config.json describes "
+                             f"(with model=hf; else model.arch): {e}") from None
+
+
 def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """Fill the model from a Hugging Face directory, each rank reading from disk only the slices it owns:
     host memory stays near one rank's share instead of the whole checkpoint."""

@@ -1,0 +1,47 @@
+"""Bad input and faults that ended in a traceback or in silence (issue 53's second list): each is now one readable
+line naming the file or key and the fix, before anything is written, or is made to work. docs/reliability.md lists
+each case with its test."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import pytest
+
+import train
+from tests.conftest import compose_config
+
+
+def _hf_dir(tiny_run_config, tmp_path: Path) -> Path:
+    """A small Hugging Face export of the tiny model (its config.json and weights)."""
+    cfg = tiny_run_config("train.steps=0", "checkpoint.export_hf_at_end=true", f"train.output_dir={tmp_path / 'src'}")
+    train.run(cfg)
+    return Path(cfg.train.output_dir) / "hf"
+
+
+def _from_hf(tmp_path: Path, hf: Path, data: str, *overrides: str):
+    """model=hf: the architecture is init_from's config.json."""
+    return compose_config(["model=hf", f"model.init_from={hf}", "data=tokens", f"data.path={data}", "data.seq_len=32",
+                           f"data.cache_dir={tmp_path / 'cache'}", "train.device=cpu", "logging.tensorboard=false",
+                           f"train.output_dir={tmp_path / 'run'}", "train.local_batch_size=2", *overrides])
+
+
+def test_a_config_json_whose_shapes_its_weights_lack_is_refused_before_allocating(tiny_run_config, tmp_path):
+    """config.json's vocab_size=2e8 with weights of 256 rows (before: 51 GB allocated for the model, then the shape
+    check): compared with the safetensors headers while the model is still on the meta device."""
+    hf = _hf_dir(tiny_run_config, tmp_path)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "vocab_size": 200_000_000}))
+    cfg = _from_hf(tmp_path, hf, tiny_run_config().data.path, "train.steps=1")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, hard))  # far below the 51 GB, far above what the check needs
+    try:
+        with pytest.raises(ValueError, match=rf"(?s)model.init_from={hf}: its weights do not match the model its "
+                                             r"config.json describes.*model.embed_tokens.weight \(checkpoint \(256, 32\), "
+                                             r"model \(200000000, 32\)\)"):
+            train.run(cfg)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert {p.name for p in (tmp_path / "run").iterdir()} <= {"train.log", "run.lock"}  # a retry starts
