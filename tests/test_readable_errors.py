@@ -45,3 +45,22 @@ def test_a_config_json_whose_shapes_its_weights_lack_is_refused_before_allocatin
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     assert {p.name for p in (tmp_path / "run").iterdir()} <= {"train.log", "run.lock"}  # a retry starts
+
+
+@pytest.mark.parametrize("message, keys", [
+    ({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+     "'tool_calls'"),
+    ({"role": "user", "content": "hi", "name": "ann"}, "'name'"),
+], ids=["tool_calls", "name"])
+def test_a_message_with_keys_the_rendering_drops_is_refused_naming_file_line_and_keys(tmp_path, message, keys):
+    """The ChatML rendering reads role and content only (before: tool calls and names dropped without a word)."""
+    from training.data.config import DataConfig
+    from training.data.loader import build_data_loader
+
+    path = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": [good["messages"][0], message]}) + "\n")
+    cfg = DataConfig(name="jsonl", path=str(path), seq_len=8, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=rf"{path} line 2: messages\[1\] has {keys} beside role and content, which the "
+                                         r"ChatML rendering here does not render .*into content, or remove the keys"):
+        build_data_loader(cfg, seed=0, local_batch_size=1, dp_rank=0, dp_size=1)

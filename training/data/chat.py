@@ -42,10 +42,15 @@ def join_docs(docs: Iterable[Doc]) -> np.ndarray:
 
 
 def _check_message(i: int, msg: object) -> None:
-    """Raise ValueError unless ``msg`` is {"role": one of CHAT_ROLES, "content": a string}."""
+    """Raise ValueError unless ``msg`` is {"role": one of CHAT_ROLES, "content": a string}, and nothing else."""
     if not isinstance(msg, dict):
         raise ValueError(f"messages[{i}] must be an object {_MESSAGE}, got "
                          f"{_JSON_TYPES.get(type(msg), type(msg).__name__)}")
+    extra = sorted(set(msg) - {"role", "content"})
+    if extra:  # the ChatML rendering reads role and content only: the rest would be dropped without a word
+        raise ValueError(f"messages[{i}] has {', '.join(map(repr, extra))} beside role and content, which the ChatML "
+                         "rendering here does not render (no tool calls, no names); put what the model should see "
+                         "into content, or remove the keys")
     for key in ("role", "content"):
         if key not in msg:
             raise ValueError(f"messages[{i}] has no {key!r}; every message is an object {_MESSAGE} of strings")
