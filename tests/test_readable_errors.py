@@ -8,6 +8,7 @@ import json
 import resource
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import train
@@ -64,3 +65,19 @@ def test_a_message_with_keys_the_rendering_drops_is_refused_naming_file_line_and
     with pytest.raises(ValueError, match=rf"{path} line 2: messages\[1\] has {keys} beside role and content, which the "
                                          r"ChatML rendering here does not render .*into content, or remove the keys"):
         build_data_loader(cfg, seed=0, local_batch_size=1, dp_rank=0, dp_size=1)
+
+
+@pytest.mark.parametrize("written, read", [("uint32", "uint16"), ("uint16", "uint8"), ("int64", "int32")])
+def test_a_bin_read_at_half_its_width_is_refused_naming_the_dtype(tmp_path, written, read):
+    """uint32 ids read with data.bin_dtype=uint16 (before: trained on id, 0, id, 0); read at their own width they
+    load as they are."""
+    from training.data.token_shards import load_token_stream
+
+    ids = np.random.default_rng(0).integers(1, 200, size=1000)
+    path = tmp_path / "ids.bin"
+    ids.astype(np.dtype(written).newbyteorder("<")).tofile(path)
+    with pytest.raises(ValueError, match=rf"token shard {path} read as data.bin_dtype={read} has 0 at every second of "
+                                         rf"its first 2000 ids: it holds {written} ids .*set data.bin_dtype={written}"):
+        load_token_stream(str(path), read, str(tmp_path / "cache"))
+    data = load_token_stream(str(path), written, str(tmp_path / "cache"))
+    assert data.vocab_size == ids.max() + 1

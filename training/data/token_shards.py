@@ -29,6 +29,8 @@ SHARD_SUFFIXES = (".npy", ".bin")
 BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids
 _STATS_CACHE = "token-shards.json"
 _SCAN_BLOCK = 1 << 24  # ids per block of the one validating pass over a shard
+_WIDER = {"uint8": "uint16", "uint16": "uint32", "int16": "int32", "uint32": "int64", "int32": "int64"}
+_WIDTH_SAMPLE = 4096  # the ids at the start of a .bin that _check_not_wider reads
 _GLOB_CHARS = "*?["
 
 
@@ -65,6 +67,7 @@ def open_shard(path: Path, bin_dtype: str) -> tuple[np.ndarray, np.ndarray | Non
                 raise ValueError(f"token shard {path}: {size} bytes is not a positive multiple of {itemsize} "
                                  f"(data.bin_dtype={bin_dtype}); set data.bin_dtype to the file's dtype")
             ids = np.memmap(path, dtype=np.dtype(bin_dtype).newbyteorder("<"), mode="r")
+            _check_not_wider(path, ids, bin_dtype)
     except (OSError, EOFError) as e:
         raise ValueError(f"token shard {path} is unreadable ({e})") from None
     except ValueError as e:
@@ -78,6 +81,18 @@ def open_shard(path: Path, bin_dtype: str) -> tuple[np.ndarray, np.ndarray | Non
         raise ValueError(f"token shard {path}: expected a non-empty 1-D integer array, or the [2, n] uint32 (ids, "
                          f"trained mask) of scripts/pretokenize.py, got {got}")
     return ids, None
+
+
+def _check_not_wider(path: Path, ids: np.ndarray, bin_dtype: str) -> None:
+    """Ids twice as wide as data.bin_dtype read as id, 0, id, 0 (the high halves of little-endian ids below
+    2**bits), a valid corpus that trains on nonsense: refused where every second of the first ids is 0 and the
+    others are not (no text alternates with one id for thousands of tokens)."""
+    wider = _WIDER.get(bin_dtype)
+    sample = np.asarray(ids[:_WIDTH_SAMPLE])
+    if wider and sample.size >= 32 and not sample[1::2].any() and sample[0::2].any():
+        raise ValueError(f"token shard {path} read as data.bin_dtype={bin_dtype} has 0 at every second of its first "
+                         f"{sample.size} ids: it holds {wider} ids (their high halves read as ids); set "
+                         f"data.bin_dtype={wider}")
 
 
 def scan_ids(ids: np.ndarray) -> tuple[int, int]:
