@@ -81,3 +81,11 @@ def test_a_bin_read_at_half_its_width_is_refused_naming_the_dtype(tmp_path, writ
         load_token_stream(str(path), read, str(tmp_path / "cache"))
     data = load_token_stream(str(path), written, str(tmp_path / "cache"))
     assert data.vocab_size == ids.max() + 1
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused(tiny_run_config, tmp_path):
+    """data.eos_id=100000 with 256 ids (before: accepted, and no document ever ended); 255 is still taken."""
+    with pytest.raises(ValueError, match=r"data.eos_id=100000 is outside the model's vocabulary \(model.arch.vocab_size="
+                                         r"256\), so no token would end a document"):
+        train.run(tiny_run_config("train.steps=1", "data.eos_id=100000"))
+    assert train.run(tiny_run_config("train.steps=1", "data.eos_id=255", f"train.output_dir={tmp_path / 'b'}"))

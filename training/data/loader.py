@@ -243,6 +243,10 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
     if local_batch_size <= 0 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need local_batch_size > 0 and 0 <= dp_rank < dp_size, got "
                          f"local_batch_size={local_batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
+    if cfg.eos_id is not None and model_vocab_size is not None and cfg.eos_id >= model_vocab_size:
+        raise ValueError(f"data.eos_id={cfg.eos_id} is outside the model's vocabulary (model.arch.vocab_size="
+                         f"{model_vocab_size}), so no token would end a document: set data.eos_id to the id that "
+                         "ends the data's documents, or null for none")
     if cfg.name == "tokens":
         sources, vocab_size, eos_id = _token_sources(cfg, tokenizer, model_vocab_size)
     else:
