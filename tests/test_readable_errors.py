@@ -89,3 +89,16 @@ def test_an_eos_id_outside_the_vocabulary_is_refused(tiny_run_config, tmp_path):
                                          r"256\), so no token would end a document"):
         train.run(tiny_run_config("train.steps=1", "data.eos_id=100000"))
     assert train.run(tiny_run_config("train.steps=1", "data.eos_id=255", f"train.output_dir={tmp_path / 'b'}"))
+
+
+def test_a_nan_grad_clip_is_refused_as_a_nan_lr_is(tiny_run_config):
+    """optim.grad_clip=nan (before: accepted, and no step clipped, while optim.lr=nan was refused)."""
+    from training.config import validate
+
+    with pytest.raises(ValueError, match=r"optim.grad_clip=nan must be a number: the largest gradient norm \(> 0\), "
+                                         r"or <= 0 for no clipping"):
+        validate(tiny_run_config("optim.grad_clip=nan"))
+    with pytest.raises(ValueError, match=r"optim.lr=nan must be positive"):
+        validate(tiny_run_config("optim.lr=nan"))
+    for clip in ("0", "-1", "inf", "0.5"):
+        validate(tiny_run_config(f"optim.grad_clip={clip}"))

@@ -182,6 +182,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.launch.nproc_per_node >= 1, f"launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
     _check(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
+    _check(o.grad_clip == o.grad_clip, f"optim.grad_clip={o.grad_clip} must be a number: the largest gradient norm "
+                                       "(> 0), or <= 0 for no clipping")  # NaN, unequal to itself, would clip nothing
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _check_state_dtype(o)
