@@ -306,6 +306,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             logger.info(line)
         for line in config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root)):
             logger.warning(line)
+        for line in loader.passes(cfg.train.steps):  # a warning where the run repeats its data
+            (logger.warning if " times over: " in line else logger.info)("data: %s", line)
     rates = Rates(tokens_per_step, dims.world_size, model_args.flops_per_token(cfg.data.seq_len),
                   device.peak_tflops(dev_type))
     history: list[dict[str, Any]] = []

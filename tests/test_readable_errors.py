@@ -102,3 +102,23 @@ def test_a_nan_grad_clip_is_refused_as_a_nan_lr_is(tiny_run_config):
         validate(tiny_run_config("optim.lr=nan"))
     for clip in ("0", "-1", "inf", "0.5"):
         validate(tiny_run_config(f"optim.grad_clip={clip}"))
+
+
+def test_the_start_says_how_many_times_the_run_reads_its_data(tiny_run_config, tmp_path, caplog):
+    """train.steps far past the corpus (before: not a word): 330 tokens make 10 windows of 33; 8 steps of 4 windows
+    read them 3.2 times; a mixture says it per source, by weight."""
+    with caplog.at_level("INFO", logger="train"):
+        train.run(tiny_run_config("train.steps=8", num_tokens=330))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.getMessage().startswith("data:")]
+    assert warned == ["data: 8 steps of 4 windows read the corpus of 10 windows 3.20 times over: each window about 3 "
+                      "times (epochs)"]
+    from training.data.config import DataConfig, SourceConfig
+    from training.data.loader import build_data_loader
+
+    path = str(tiny_run_config(num_tokens=330).data.path)
+    mixture = DataConfig(name="tokens", seq_len=32, cache_dir=str(tmp_path / "cache"),
+                         sources=[SourceConfig(path, 3, "a"), SourceConfig(path, 1, "b")])
+    loader = build_data_loader(mixture, seed=0, local_batch_size=4, dp_rank=0, dp_size=1)
+    assert loader.passes(2) == ["2 steps of 4 windows read source 'a' (75% of the windows) of 10 windows 0.60 times "
+                                "over", "2 steps of 4 windows read source 'b' (25% of the windows) of 10 windows 0.20 "
+                                "times over"]

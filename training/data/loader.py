@@ -125,6 +125,19 @@ class PackedLoader:
         rows = slice(self._rank_offset, self._rank_offset + self._local_batch)
         return packed_batch(self._sources, source_G[rows], window_G[rows], self.seq_len, self._eos_id)
 
+    def passes(self, global_batches: int) -> list[str]:
+        """How many times over ``global_batches`` global batches read each source (a mixture's: expected, by its
+        weight), as the start-up log says it: a run far past its corpus repeats every window many times."""
+        windows = global_batches * self._global_batch
+        lines = []
+        for src, p, order in zip(self._sources, self._p, self._orders):
+            what = f"source {src.name!r} ({p:.0%} of the windows)" if len(self._sources) > 1 else "the corpus"
+            epochs = windows * p / order.num_windows
+            lines.append(f"{global_batches} steps of {self._global_batch} windows read {what} of {order.num_windows:,} "
+                         f"windows {epochs:.2f} times over" + (f": each window about {round(epochs)} times (epochs)"
+                                                               if epochs >= 1.5 else ""))
+        return lines
+
     def mixture_metrics(self) -> dict[str, float]:
         """Realised share of each source's windows over all global batches so far ({} without a mixture)."""
         if len(self._sources) == 1 or not self._drawn:
