@@ -675,10 +675,11 @@ class ManualGC:
 
 
 class StopSignal:
-    """SIGTERM (slurm preemption, torchrun shutdown) and a first Ctrl-C (SIGINT) ask to stop after the current
-    step, with a checkpoint; ranks agree. A second Ctrl-C stops at once (KeyboardInterrupt), without one."""
+    """SIGTERM (slurm preemption, torchrun shutdown), SIGHUP (the terminal or ssh session closed) and a first Ctrl-C
+    (SIGINT) ask to stop after the current step, with a checkpoint; ranks agree. A second Ctrl-C stops at once
+    (KeyboardInterrupt), without one."""
 
-    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    _SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
     def __init__(self, dims: parallelisms.ParallelDims, dev: torch.device) -> None:
         self._dims, self._dev = dims, dev

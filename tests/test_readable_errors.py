@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,8 @@ import pytest
 
 import train
 from tests.conftest import compose_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _hf_dir(tiny_run_config, tmp_path: Path) -> Path:
@@ -122,3 +126,21 @@ def test_the_start_says_how_many_times_the_run_reads_its_data(tiny_run_config, t
     assert loader.passes(2) == ["2 steps of 4 windows read source 'a' (75% of the windows) of 10 windows 0.60 times "
                                 "over", "2 steps of 4 windows read source 'b' (25% of the windows) of 10 windows 0.20 "
                                 "times over"]
+
+
+def test_sighup_stops_as_sigterm_does_with_a_checkpoint(tmp_path):
+    """The terminal or ssh session closed (before: exit 129, nothing logged, nothing saved since the last checkpoint):
+    a checkpoint at the current step, logged, exit 0, and train.resume=auto continues from it."""
+    from tests.test_run_safety import _args, _logged, _losses, _wait_for
+    from training.checkpoint import complete_checkpoints
+
+    proc = subprocess.Popen(_args(tmp_path, "train.steps=100000"), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "run"
+    _wait_for(lambda: _logged(run_dir, 2), proc, "step 2")
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    stopped = max(_losses(run_dir))
+    assert complete_checkpoints(run_dir / "checkpoints")[-1].name == f"step_{stopped:08d}"
+    assert f"stopping at step {stopped} on SIGHUP after saving a checkpoint" in (run_dir / "train.log").read_text()
