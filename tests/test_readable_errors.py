@@ -144,3 +144,22 @@ def test_sighup_stops_as_sigterm_does_with_a_checkpoint(tmp_path):
     stopped = max(_losses(run_dir))
     assert complete_checkpoints(run_dir / "checkpoints")[-1].name == f"step_{stopped:08d}"
     assert f"stopping at step {stopped} on SIGHUP after saving a checkpoint" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.parametrize("name", ["it's a run", "a\\'b", "x=1,y=[2]", "ends\\"])
+def test_a_run_directory_with_a_quote_reaches_the_torchrun_children_as_it_is(tmp_path, monkeypatch, name):
+    """launch.nproc_per_node=2 into a folder whose name holds a quote (before: Hydra's lexer error from each rank):
+    the override the children parse names the same directory."""
+    import torch.distributed.run as torchrun
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from training.launch import LaunchConfig, relaunch_with_torchrun
+
+    launched = []
+    monkeypatch.setattr(torchrun, "run", lambda args: launched.append(args))
+    monkeypatch.setattr(torchrun, "parse_args", lambda args: args)
+    run_dir = str(tmp_path / name)
+    relaunch_with_torchrun(LaunchConfig(nproc_per_node=2), ["train.steps=1"], run_dir, ("conf", "config"), tmp_path)
+    overrides = [arg for arg in launched[0] if "=" in arg and not arg.startswith("-")]
+    parsed = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(overrides)}
+    assert parsed == {"train.steps": 1, "train.output_dir": run_dir}

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -101,7 +102,7 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
     script = Path(__file__).resolve().parents[1] / "train.py"
     config_dir, config_name = config
     args = ["--standalone", f"--nproc_per_node={cfg.nproc_per_node}", str(script), f"--config-path={config_dir}",
-            f"--config-name={config_name}", *overrides, f"train.output_dir={run_dir}"]
+            f"--config-name={config_name}", *overrides, f"train.output_dir={hydra_quoted(run_dir)}"]
     print("launching: torchrun", " ".join(args), flush=True)
     os.environ[_RELAUNCHED] = "1"
     # The agent's own logs (rendezvous, worker start/stop, per-child failure dumps) would bury the one line.
@@ -117,6 +118,14 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
         del os.environ[_RELAUNCHED]
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+
+
+def hydra_quoted(value: str) -> str:
+    """``value`` as one quoted value of a Hydra override, read back as it is: a run directory's name may hold a quote,
+    a space, '=' or ','. In Hydra's quoted strings a quote is escaped with a backslash, and so is a run of backslashes
+    before a quote or the closing one."""
+    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + value.replace("'", "\\'") + "'"
 
 
 def failure_line(failures: dict, checkpoints: Path) -> str:
