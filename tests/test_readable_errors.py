@@ -163,3 +163,23 @@ def test_a_run_directory_with_a_quote_reaches_the_torchrun_children_as_it_is(tmp
     overrides = [arg for arg in launched[0] if "=" in arg and not arg.startswith("-")]
     parsed = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(overrides)}
     assert parsed == {"train.steps": 1, "train.output_dir": run_dir}
+
+
+def test_sigterm_to_the_launcher_stops_the_job_with_a_checkpoint_and_one_line(tmp_path):
+    """launch.nproc_per_node=2 and SIGTERM to the launching process (before: the ranks saved a checkpoint, then a
+    30-line traceback and exit 1): torchrun passes it on, the ranks stop with a checkpoint, the launcher says so."""
+    from tests.test_run_safety import _args, _logged, _losses, _wait_for
+    from training.checkpoint import complete_checkpoints
+
+    proc = subprocess.Popen(_args(tmp_path, "train.steps=100000", "launch.nproc_per_node=2", "parallel=ep2",
+                                  "train.local_batch_size=1"),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "run"
+    _wait_for(lambda: _logged(run_dir, 2), proc, "step 2")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    saved = complete_checkpoints(run_dir / "checkpoints")[-1]
+    assert saved.name == f"step_{max(_losses(run_dir)):08d}"
+    assert stderr.splitlines()[-1] == (f"stopped on SIGTERM: torchrun passed it on to the ranks; the newest checkpoint "
+                                       f"is {saved}: train.resume=auto continues from it")

@@ -8,7 +8,8 @@ message also goes to torchrun's per-child error file, so torchrun's failure summ
 process prints the first failed child's message as its own one line (the children stay quiet). A child killed by
 a signal is named with the signal and the checkpoint that resumes the run; the other children's gloo errors about
 their lost peer are one line each in torchrun's error files, not tracebacks. Ctrl-C (KeyboardInterrupt) ends with
-``interrupted: <message>`` and exit code 130.
+``interrupted: <message>`` and exit code 130. SIGTERM (or SIGHUP) to the launching process: torchrun passes it on to
+the children, which stop with a checkpoint, and the launcher ends with one line naming it, exit code 0.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
     directory and name), writing into this job's run directory; a failure raises LaunchError with the first failed
     child's message, or, when a child was killed by a signal, which one and how (and the checkpoint under
     ``checkpoints`` that resumes)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -114,6 +116,13 @@ def relaunch_with_torchrun(cfg: LaunchConfig, overrides: list[str], run_dir: str
         run(parse_args(args))
     except ChildFailedError as e:
         raise LaunchError(failure_line(e.failures, checkpoints)) from None
+    except SignalException as e:  # torchrun passed the signal on to the children, which stop with a checkpoint
+        saved = complete_checkpoints(checkpoints)
+        resume = (f"; the newest checkpoint is {saved[-1]}: train.resume=auto continues from it" if saved else
+                  "; no checkpoint was saved")
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt(f"Ctrl-C: the torchrun job stopped{resume}") from None
+        print(f"stopped on {e.sigval.name}: torchrun passed it on to the ranks{resume}", file=sys.stderr, flush=True)
     finally:
         del os.environ[_RELAUNCHED]
         for log, level in zip(quiet, levels):
