@@ -45,7 +45,7 @@ from training.data.hf_tokenizer import check_export_requirements, hf_tokenizer_f
 from training.data.loader import build_data_loader
 from training.data.packing import context_shard
 from training.evaluate import validation_loss
-from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun
+from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun, sweep_job_name
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
                               routing_summary)
@@ -729,8 +729,11 @@ def main(dict_cfg: DictConfig) -> None:
     # The error line (and under torchrun the rank's error file) is written before the process group is torn down:
     # ranks that fail together can abort each other on the way out (gloo), and the launcher reports the rank that
     # wrote its error, not the one that then aborted (training.launch.failure_line).
+    from hydra.core.hydra_config import HydraConfig
+
     try:
-        with one_line_errors():  # bad input ends with one readable line; HYDRA_FULL_ERROR=1 for the traceback
+        # Bad input ends with one readable line (HYDRA_FULL_ERROR=1 for the traceback); a sweep's job's names the job.
+        with one_line_errors(sweep_job_name(HydraConfig.get())):
             cfg = job_config(to_train_config(dict_cfg))
             if needs_torchrun(cfg.launch):
                 relaunch(cfg)

@@ -183,3 +183,19 @@ def test_sigterm_to_the_launcher_stops_the_job_with_a_checkpoint_and_one_line(tm
     assert saved.name == f"step_{max(_losses(run_dir)):08d}"
     assert stderr.splitlines()[-1] == (f"stopped on SIGTERM: torchrun passed it on to the ranks; the newest checkpoint "
                                        f"is {saved}: train.resume=auto continues from it")
+
+
+def test_a_sweep_with_a_failing_job_runs_the_others_and_ends_naming_it(tmp_path):
+    """-m optim.lr=1e-3,nan,2e-3 (before: job #1's error line without its job, job #2 never ran, and nothing said
+    so): each failed job's line names it, the other jobs run, and the sweep ends with one line naming the failed
+    ones, exit code 1."""
+    from tests.test_run_safety import _args, _losses
+
+    command = _args(tmp_path, "optim.lr=1e-3,nan,2e-3", "train.steps=1")  # train.output_dir=<tmp>/run
+    out = subprocess.run([*command[:2], "-m", *command[2:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [
+        "error: sweep job #1 (optim.lr=nan): ValueError: optim.lr=nan must be positive",
+        "error: 1 of the sweep's 3 jobs failed, each said why above: #1 (optim.lr=nan); the others finished"]
+    assert [sorted(_losses(tmp_path / "run" / str(job))) for job in (0, 2)] == [[1], [1]]
+    assert not (tmp_path / "run" / "1" / "metrics.jsonl").exists()

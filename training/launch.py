@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from training.checkpoint import CheckpointError, complete_checkpoints
 
 _RELAUNCHED = "QWEN_MOE_RELAUNCHED"  # set for the children of relaunch_with_torchrun
@@ -48,9 +50,14 @@ def needs_torchrun(cfg: LaunchConfig) -> bool:
     return cfg.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ
 
 
+SWEEP_FAILURES: list[str] = []  # the failed jobs of this process's Hydra sweep (one_line_errors, SweepSummary)
+
+
 @contextlib.contextmanager
-def one_line_errors() -> Iterator[None]:
-    """Turn ONE_LINE_ERRORS into ``error: <message>`` and exit code 1 (see the module docstring)."""
+def one_line_errors(sweep_job: str | None = None) -> Iterator[None]:
+    """Turn ONE_LINE_ERRORS into ``error: <message>`` and exit code 1 (see the module docstring). ``sweep_job``: this
+    is that job of a Hydra sweep (``sweep_job_name``): its line names it, and the sweep goes on to its next job
+    (``SweepSummary`` ends it with the jobs that failed)."""
     try:
         yield
     except KeyboardInterrupt as e:  # Ctrl-C (train.py's StopSignal says how far it got): one line, exit code 130
@@ -65,12 +72,47 @@ def one_line_errors() -> Iterator[None]:
         message = (str(e) if isinstance(e, (LaunchError, CheckpointError)) else
                    f"{_LOST_PEER_LINE}: {str(e).splitlines()[0]}" if _lost_peer(e) else
                    f"{type(e).__name__}: {e}")
+        if sweep_job is not None:
+            message = f"sweep job {sweep_job}: {message}"
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchrun reads it; its summary then shows this message instead of a bare exit code
             Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
         if not os.environ.get(_RELAUNCHED) and int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {message}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr, flush=True)
-        sys.exit(1)
+        if sweep_job is None:
+            sys.exit(1)
+        SWEEP_FAILURES.append(sweep_job)
+
+
+def sweep_job_name(hydra_cfg: Any) -> str | None:
+    """``#<job number> (<the overrides of this job that the sweep varies>)`` in a Hydra sweep, else None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    given = [arg for arg in sys.argv[1:] if "=" in arg and not arg.startswith("-")]  # the sweep as it was typed
+    swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(given) if o.is_sweep_override()}
+    chosen = [o for o in hydra_cfg.overrides.task if o.lstrip("+~").split("=")[0] in swept]
+    return f"#{hydra_cfg.job.num} ({' '.join(chosen)})"
+
+
+class SweepSummary(Callback):
+    """Hydra callback (conf/config.yaml): a sweep (``-m``) whose jobs failed ends with one line naming them, exit code
+    1. Each failed job wrote its own line, and the sweep went on with the others: without this, the first failure
+    ended the sweep, and the jobs after it never ran without a word."""
+
+    def __init__(self) -> None:
+        self.jobs = 0
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        self.jobs += 1
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        if SWEEP_FAILURES:
+            print(f"error: {len(SWEEP_FAILURES)} of the sweep's {self.jobs} jobs failed, each said why above: "
+                  f"{', '.join(SWEEP_FAILURES)}; the others finished", file=sys.stderr, flush=True)
+            sys.exit(1)
 
 
 # How gloo reports a peer whose process died mid-collective: the survivors' side of a killed rank, which the
