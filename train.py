@@ -645,7 +645,7 @@ def finish(run_dir: RunDir, model: torch.nn.Module, spec: models.ModelSpec, toke
         if saved_at != last_step and cfg.checkpoint.at_end and last_step > 0:
             kept = checkpoint(last_step)
         try:
-            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.rank == 0)
+            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.rank == 0, step=last_step)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; " + (f"the trained state is in checkpoint {kept}: make room and run again "
                                               "with train.resume=auto to write the weights" if kept else

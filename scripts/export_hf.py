@@ -2,7 +2,8 @@
 
     python scripts/export_hf.py <run-dir | run-dir/model.safetensors | checkpoint-dir> <out-dir> [--dtype bfloat16]
 
-Reads the final ``model.safetensors`` (our names, fused experts, full tensors) with the run's resolved
+Reads the final ``model.safetensors`` (our names, fused experts, full tensors; checked against its record,
+``model.safetensors.record.json``, as checkpoints are: a damaged byte is refused) with the run's resolved
 ``config.yaml``, or a DCP checkpoint (``<run-dir>/checkpoints/step_N``, any layout it was saved with, verified
 against its file record) with the config recorded in it (``model.model_type``, ``model.arch``); writes what
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads, with the run's tokenizer (``model.tokenizer``; the
@@ -11,7 +12,7 @@ against its file record) with the config recorded in it (``model.model_type``, `
 of our tokenizers (``none``, or pre-tokenized ids of another vocabulary) exports weights and config.json only, and
 says so; ``--tokenizer`` overrides the recorded one. The export replaces ``out-dir`` wholesale, so ``out-dir`` must be
 new, empty or an earlier export (its ``.hf_export.json`` lists its files); a run directory or any other folder
-is refused.
+is refused. It says which step it exported, and warns where the run has trained past its final weights since.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from safetensors.torch import load_file  # noqa: E402
 
 from models import build_args, get_spec  # noqa: E402
 from models.hf_io import DEFAULT_MAX_SHARD_BYTES, check_export_dir, export_state_dict_hf  # noqa: E402
-from training.checkpoint import TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state  # noqa: E402
+from training.checkpoint import (TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state,  # noqa: E402
+                                 verified_weights_step)
 from training.data.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
 from training.data.tokenizer import TOKENIZERS  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
+from training.run_dir import read_record  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +56,19 @@ def run_config(path: Path) -> tuple[Path, dict, str]:
                                     "model.safetensors and config.yaml, the path of its .safetensors file, "
                                     "or a checkpoint directory <run>/checkpoints/step_N")
     return weights, yaml.safe_load(config.read_text()) or {}, str(config)
+
+
+def weights_step(weights: Path) -> int | None:
+    """The step ``weights`` hold (a checkpoint's, or the final weights' once verified against their record), saying
+    so where the run trained past final weights since (resumed with more steps, their own not yet written)."""
+    if is_dcp_checkpoint(weights):
+        return read_train_state(weights)["step"]
+    step = verified_weights_step(weights)
+    record = read_record(weights.parent)
+    if step is not None and record is not None and record.step > step:
+        print(f"warning: {weights} holds step {step}, and its run has trained since, to step {record.step}: to export "
+              f"that, export its newest checkpoint ({record.checkpoint})", file=sys.stderr)
+    return step
 
 
 def is_dcp_checkpoint(path: Path) -> bool:
@@ -110,12 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     weights, config, source = run_config(opts.checkpoint)
     model_type, args = model_type_and_args(config, source)
     tokenizer, decided = run_tokenizer(config, args.vocab_size, opts.tokenizer)
+    step = weights_step(weights)  # the final weights are checked against their record first
     state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
     export_state_dict_hf(state, model_type, args, opts.out_dir, max_shard_bytes=opts.max_shard_bytes,
                          dtype=DTYPES.get(opts.dtype), extra_files=hf_tokenizer_files(tokenizer))
     if tokenizer is None:
         print(f"no tokenizer files written: {decided}; add that tokenizer's files to {opts.out_dir}")
-    print(f"exported {weights} ({model_type}) to {opts.out_dir}" + (f" {decided}" if tokenizer else ""))
+    print(f"exported {weights} ({model_type}, step {'unknown' if step is None else step}) to {opts.out_dir}"
+          + (f" {decided}" if tokenizer else ""))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import resource
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +200,46 @@ def test_a_sweep_with_a_failing_job_runs_the_others_and_ends_naming_it(tmp_path)
         "error: 1 of the sweep's 3 jobs failed, each said why above: #1 (optim.lr=nan); the others finished"]
     assert [sorted(_losses(tmp_path / "run" / str(job))) for job in (0, 2)] == [[1], [1]]
     assert not (tmp_path / "run" / "1" / "metrics.jsonl").exists()
+
+
+def _export(run: Path, out: Path) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import export_hf
+    finally:
+        sys.path.pop(0)
+    export_hf.main([str(run), str(out)])
+
+
+def test_an_export_says_which_step_it_exports_and_that_the_run_went_on_since(tiny_run_config, tmp_path, capsys):
+    """export_hf.py RUN after the run was continued past its final save without writing new final weights (before:
+    the older weights exported without a word)."""
+    cfg = tiny_run_config("train.steps=2")
+    train.run(cfg)
+    run = Path(cfg.train.output_dir)
+    _export(run, tmp_path / "hf2")
+    out = capsys.readouterr()
+    assert f"exported {run / 'model.safetensors'} (qwen3_moe, step 2)" in out.out and "warning" not in out.err
+    train.run(tiny_run_config("train.steps=4", "train.resume=auto", "train.allow_changes=[train.steps]",
+                              "train.save_final=false", "checkpoint.interval=2"))  # on to step 4: no new final weights
+    _export(run, tmp_path / "hf4")
+    out = capsys.readouterr()
+    assert f"exported {run / 'model.safetensors'} (qwen3_moe, step 2)" in out.out
+    assert (f"warning: {run / 'model.safetensors'} holds step 2, and its run has trained since, to step 4: to export "
+            f"that, export its newest checkpoint ({run / 'checkpoints' / 'step_00000004'})") in out.err
+
+
+def test_final_weights_with_a_zeroed_region_are_refused_by_their_record(tiny_run_config, tmp_path):
+    """model.safetensors with zeroed bytes, its size unchanged (before: exported without a check)."""
+    from training.checkpoint import CheckpointError
+
+    cfg = tiny_run_config("train.steps=1")
+    train.run(cfg)
+    weights = Path(cfg.train.output_dir) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4096:-2048] = bytes(2048)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{weights} is damaged: model.safetensors bytes \[0, {len(data)}\) "
+                                              r"differ from what was written. The run's checkpoints hold the weights"):
+        _export(weights.parent, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

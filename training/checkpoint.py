@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from core.files import atomic_write, record_paths, record_problems
+from core.files import atomic_write, atomic_write_text, record_paths, record_problems
 from core.safetensors_stream import layout_of, save_file_order, stream_gathered, write_safetensors
 
 logger = logging.getLogger("train")
@@ -421,16 +421,42 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, t in saved_tensors(model).items()}
 
 
-def save_model_weights(model: nn.Module, path: Path, is_writer: bool) -> None:
+def save_model_weights(model: nn.Module, path: Path, is_writer: bool, step: int | None = None) -> None:
     """Collective: the final weights as one safetensors file (``saved_tensors`` as full tensors, metadata
     {"format": "pt"}: the bytes ``save_file(full_state_dict(model))`` would write), written atomically by the
-    writer. Parameters are gathered one at a time and streamed into the file (``stream_gathered``): the writer's
-    host memory holds one tensor, the other ranks' none, instead of the whole model on every rank."""
+    writer, then their record (``weights_record``: ``step``, the size and block CRCs). Parameters are gathered one at
+    a time and streamed into the file (``stream_gathered``): the writer's host memory holds one tensor, the other
+    ranks' none, instead of the whole model on every rank."""
     tensors = saved_tensors(model)
     layouts = save_file_order({name: layout_of(t) for name, t in tensors.items()})
 
     def write(host: Iterator[torch.Tensor]) -> None:
         with _named_write_failures(str(path), path):
+            weights_record(path).unlink(missing_ok=True)  # never an older file's record beside a newer file
             atomic_write(path, lambda tmp: write_safetensors(tmp, layouts, host, metadata={"format": "pt"}))
+            atomic_write_text(weights_record(path), json.dumps({"step": step, **record_paths([path])[path]}) + "\n")
 
     stream_gathered(tensors, layouts, write if is_writer else None)
+
+
+def weights_record(path: Path) -> Path:
+    """``<weights>.record.json`` beside final weights: the step they hold, their size and CRC-32 per 64 MiB block."""
+    return path.with_name(path.name + ".record.json")
+
+
+def verified_weights_step(path: Path) -> int | None:
+    """The step the final weights ``path`` hold, once their bytes are checked against their record (CheckpointError
+    names the damaged ones); None where they have no record (written before records existed) or it has no step."""
+    record = weights_record(path)
+    if not record.is_file():
+        logger.warning("%s has no record (%s): written before records existed; not verified", path, record.name)
+        return None
+    try:
+        written = json.loads(record.read_text())
+        problems = record_problems(path.name, written, record_paths([path])[path] if path.is_file() else None)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{record} is unreadable ({e}); move it aside to use {path} unverified") from None
+    if problems:
+        raise CheckpointError(f"{path} is damaged: {'; '.join(problems)}. The run's checkpoints hold the weights too: "
+                              "export the newest (scripts/export_hf.py <run>/checkpoints/step_N)")
+    return written.get("step")
