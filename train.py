@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 import models
 import parallelisms
 from core import device
-from core.files import atomic_write_text
+from core.files import atomic_write_text, remove, stale_temporaries
 from kernels.registry import apply_kernels, select_kernels
 from models.causal_lm import trained_rows
 from models.hf_io import (args_from_hf_config, check_export_dir, check_hf_into_model, export_hf, load_hf_into_model,
@@ -402,6 +402,9 @@ class RunDir:
             self.record.checkpoint = str(self.start.checkpoint)
         if not is_writer:
             return
+        for path in stale_temporaries(self.path):  # under the run's lock: no live writer of this run is left
+            logger.warning("removing %s, left by a save whose process is gone (killed while writing)", path)
+            remove(path)
         for path in self.start.discard:
             logger.warning("train.discard_newer: removing %s (trained after the resumed step %d)", path, step)
             shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -5,6 +5,8 @@ No torch here: the tokenizer's worker processes import this."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,40 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# What atomic_write and an export's directory swap (models.hf_io) leave where the writer is killed: the target's name,
+# then tmp or old, the writer's pid and, for a directory, mkdtemp's suffix.
+_TEMPORARY = re.compile(r"^\.(?P<target>.+)\.(?:tmp|old)-(?P<pid>\d+)(?:-[A-Za-z0-9_]+)?$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def stale_temporaries(directory: Path, target: str | None = None) -> list[Path]:
+    """This project's temporaries in ``directory`` (of ``target`` only, where given) whose writing process is gone on
+    this host: what a kill during a save leaves (``.model.safetensors.tmp-<pid>``, ``.hf.tmp-<pid>-*``). Nothing else,
+    and none of a live process, is ever returned."""
+    if not directory.is_dir():
+        return []
+    found = [(path, _TEMPORARY.match(path.name)) for path in directory.iterdir()]
+    return sorted(path for path, m in found if m and (target is None or m["target"] == target)
+                  and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])))
+
+
+def remove(path: Path) -> None:
+    """A file, or a directory with what it holds: never through a symbolic link (the link alone goes)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -33,6 +33,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
+from core.files import remove, stale_temporaries
 from core.safetensors_stream import TensorLayout, stream_gathered, write_safetensors
 from models import ModelSpec, build_args, get_spec
 from models.init import local_box
@@ -427,7 +428,10 @@ def check_export_dir(out_dir: str | os.PathLike) -> None:
 def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
     """Write into a temporary sibling, then rename it to out_dir: nobody sees a half-written directory."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    for stale in stale_temporaries(out_dir.parent, out_dir.name):  # an earlier export's, killed
+        logger.warning("removing %s, left by an export whose process is gone", stale)
+        remove(stale)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{os.getpid()}-"))
     try:
         write(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private
@@ -435,7 +439,7 @@ def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp)
         raise
     if out_dir.exists():
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-{os.getpid()}-"))
         os.rename(out_dir, old / out_dir.name)
         os.rename(tmp, out_dir)
         shutil.rmtree(old)

@@ -243,3 +243,35 @@ def test_final_weights_with_a_zeroed_region_are_refused_by_their_record(tiny_run
                                               r"differ from what was written. The run's checkpoints hold the weights"):
         _export(weights.parent, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_temporaries_of_a_killed_save_are_removed_at_the_next_start_and_nothing_else(tiny_run_config, tmp_path):
+    """A kill during the final save or an export leaves .model.safetensors.tmp-<pid> and .hf.tmp-<pid>-* (before:
+    forever). The next start removes those of this project's naming whose process is gone; a live process's, and
+    any other file, stay."""
+    cfg = tiny_run_config("train.steps=1")
+    train.run(cfg)
+    run = Path(cfg.train.output_dir)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        stale = [run / f".model.safetensors.tmp-{dead.pid}", run / f".hf.tmp-{dead.pid}-a1b_2",
+                 run / f".hf.old-{dead.pid}-x9", run / f".run.json.tmp-{dead.pid}"]
+        kept = [run / f".model.safetensors.tmp-{alive.pid}", run / f".hf.tmp-{alive.pid}-q", run / ".x.tmp-mine",
+                run / f"notes.tmp-{dead.pid}", run / f".x.tmp-{dead.pid}.bak"]
+        for path in stale + kept:
+            (path.mkdir() if "hf." in path.name else path.write_text("x"))
+        (run / f".hf.tmp-{dead.pid}-a1b_2" / "model.safetensors").write_text("half")
+        train.run(tiny_run_config("train.steps=2", "train.resume=auto", "train.allow_changes=[train.steps]"))
+        assert [p for p in stale if p.exists()] == [] and all(p.exists() for p in kept)
+        # An export elsewhere: the stale temporaries of its own directory, in its parent.
+        out = tmp_path / "exports" / "hf"
+        out.parent.mkdir()
+        (out.parent / f".hf.tmp-{dead.pid}-zz").mkdir()
+        (out.parent / f".other.tmp-{dead.pid}-zz").mkdir()
+        _export(run, out)
+        assert sorted(p.name for p in out.parent.iterdir()) == [f".other.tmp-{dead.pid}-zz", "hf"]
+    finally:
+        alive.kill()
+        alive.wait()
