@@ -16,7 +16,6 @@ import gc
 import logging
 import math
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -405,9 +404,10 @@ class RunDir:
         for path in stale_temporaries(self.path):  # under the run's lock: no live writer of this run is left
             logger.warning("removing %s, left by a save whose process is gone (killed while writing)", path)
             remove(path)
-        for path in self.start.discard:
-            logger.warning("train.discard_newer: removing %s (trained after the resumed step %d)", path, step)
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in self.start.discard:  # a symbolic link goes alone: what it points to is not this run's to remove
+            logger.warning("train.discard_newer: removing %s%s (trained after the resumed step %d)", path,
+                           f", a link to {path.readlink()} (kept)" if path.is_symlink() else "", step)
+            remove(path)
         write_record(self.path, self.record)
 
     def saved(self, step: int, checkpoint: Path, is_writer: bool) -> None:

@@ -275,3 +275,22 @@ def test_temporaries_of_a_killed_save_are_removed_at_the_next_start_and_nothing_
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_discard_newer_removes_a_symlinked_step_folder_as_a_link_and_keeps_its_target(tiny_run_config, tmp_path):
+    """train.discard_newer over a step folder that is a symbolic link (before: rmtree refused the link after the
+    step before it was already deleted): the link goes, the folder it points to stays, the steps train again."""
+    from training.checkpoint import complete_checkpoints
+
+    cfg = tiny_run_config("train.steps=4", "checkpoint.interval=1")
+    full = train.run(cfg)
+    root = Path(cfg.train.output_dir) / "checkpoints"
+    elsewhere = tmp_path / "kept" / "step_00000004"
+    elsewhere.parent.mkdir()
+    (root / "step_00000004").rename(elsewhere)
+    (root / "step_00000004").symlink_to(elsewhere, target_is_directory=True)
+    again = train.run(tiny_run_config("train.steps=4", "checkpoint.interval=1", f"train.resume={root / 'step_00000002'}",
+                                      "train.discard_newer=true"))
+    assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in full[2:]], rel=1e-6)
+    assert elsewhere.is_dir() and any(elsewhere.iterdir())  # the link's target is not the run's to remove
+    assert [p.name for p in complete_checkpoints(root)][-1] == "step_00000004" and not (root / "step_00000004").is_symlink()
