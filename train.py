@@ -490,7 +490,15 @@ def continues(run_dir: RunDir, run_config: dict[str, Any], global_batch: int, cf
         check_resumed_config(start.state or {"config": start.previous_config}, run_config, global_batch,
                              cfg.train.allow_changes, source, dims.rank == 0)
     done = start.state["step"] if start.state is not None else 0
-    if start.record is not None and start.record.finished and (start.state is None or done >= cfg.train.steps):
+    finished = start.record is not None and start.record.finished
+    if finished and start.state is None and cfg.train.steps > start.record.step:
+        if start.record.step > 0:
+            raise ValueError(f"run {run_dir.path} finished at step {start.record.step} without a checkpoint "
+                             "(checkpoint.at_end=false or train.save_final=false, without checkpoint.interval), so "
+                             "there is no state to train on from: start afresh in another train.output_dir "
+                             "(model.init_from can take an export of its weights)")
+        # else a train.steps=0 run, which trained nothing: starting it again from step 1 is continuing it exactly
+    elif finished and (start.state is None or done >= cfg.train.steps):
         if dims.rank == 0:
             logger.info("run %s is finished (step %d of train.steps=%d; its checkpoints: %s): nothing to do. To "
                         "train on, raise train.steps with train.allow_changes=[train.steps], or start afresh in "

@@ -294,3 +294,19 @@ def test_discard_newer_removes_a_symlinked_step_folder_as_a_link_and_keeps_its_t
     assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in full[2:]], rel=1e-6)
     assert elsewhere.is_dir() and any(elsewhere.iterdir())  # the link's target is not the run's to remove
     assert [p.name for p in complete_checkpoints(root)][-1] == "step_00000004" and not (root / "step_00000004").is_symlink()
+
+
+def test_a_run_finished_at_steps_0_trains_on_when_given_more_steps(tiny_run_config, tmp_path):
+    """train.steps=0 (it measures the first loss, trains nothing) then train.resume=auto with train.steps=3 (before:
+    'finished: nothing to do; to train on, raise train.steps', which was done): it trains steps 1-3 exactly as a
+    fresh 3-step run. A run that finished at step 2 without any checkpoint cannot go on, and says why."""
+    assert [m["step"] for m in train.run(tiny_run_config("train.steps=0"))] == [0]
+    more = train.run(tiny_run_config("train.steps=3", "train.resume=auto", "train.allow_changes=[train.steps]"))
+    fresh = train.run(tiny_run_config("train.steps=3", f"train.output_dir={tmp_path / 'fresh'}"))
+    assert [m["loss"] for m in more] == pytest.approx([m["loss"] for m in fresh], rel=1e-6) and len(more) == 3
+    no_checkpoint = (f"train.output_dir={tmp_path / 'bare'}", "checkpoint.at_end=false")
+    train.run(tiny_run_config("train.steps=2", *no_checkpoint))
+    with pytest.raises(ValueError, match=rf"run {tmp_path / 'bare'} finished at step 2 without a checkpoint .*no state "
+                                         r"to train on from: start afresh in another train.output_dir"):
+        train.run(tiny_run_config("train.steps=4", "train.resume=auto", "train.allow_changes=[train.steps]",
+                                  *no_checkpoint))
