@@ -54,6 +54,11 @@ def stale_temporaries(directory: Path, target: str | None = None) -> list[Path]:
                   and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])))
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest parent that exists: where the free space of a file yet to be written is measured."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+
+
 def remove(path: Path) -> None:
     """A file, or a directory with what it holds: never through a symbolic link (the link alone goes)."""
     if path.is_dir() and not path.is_symlink():

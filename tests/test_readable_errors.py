@@ -310,3 +310,31 @@ def test_a_run_finished_at_steps_0_trains_on_when_given_more_steps(tiny_run_conf
                                          r"to train on from: start afresh in another train.output_dir"):
         train.run(tiny_run_config("train.steps=4", "train.resume=auto", "train.allow_changes=[train.steps]",
                                   *no_checkpoint))
+
+
+def test_a_full_disk_while_tokenizing_into_the_cache_names_the_folder_and_the_key(tmp_path, monkeypatch):
+    """A file-size limit (what a full disk is to numpy: an OSError without an errno or a file) around the writes of
+    the tokenized shards under data.cache_dir (before: '... requested and ... written', no file, no key)."""
+    import resource
+
+    from training.data import tokenize_shards
+    from training.data.config import DataConfig
+    from training.data.loader import build_data_loader
+
+    def limited(path, array, write=tokenize_shards.atomic_write_npy):
+        handler, limits = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
+        try:
+            write(path, array)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, handler)
+
+    monkeypatch.setattr(tokenize_shards, "atomic_write_npy", limited)
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"text": "hello there, a document of some words"}) + "\n")
+    cfg = DataConfig(name="jsonl", path=str(path), seq_len=4, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(OSError, match=rf"could not write the tokenized-corpus cache {tmp_path / 'cache'}/jsonl-qwen3-"
+                                      r"\w+\.shards \([\d.]+ GiB free there\): .*\. Free space there, or point "
+                                      r"data\.cache_dir at a folder with room"):
+        build_data_loader(cfg, seed=0, local_batch_size=1, dp_rank=0, dp_size=1)

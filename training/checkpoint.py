@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from core.files import atomic_write, atomic_write_text, record_paths, record_problems
+from core.files import atomic_write, atomic_write_text, nearest_existing, record_paths, record_problems
 from core.safetensors_stream import layout_of, save_file_order, stream_gathered, write_safetensors
 
 logger = logging.getLogger("train")
@@ -291,18 +291,13 @@ def save_sizes(model: nn.Module, moment_dtype: torch.dtype) -> tuple[int, int]:
     return weights + moments, weights
 
 
-def _nearest_existing(path: Path) -> Path:
-    """``path`` or its nearest parent that exists: where the free space of a file yet to be written is measured."""
-    return next((p for p in (path, *path.parents) if p.exists()), Path("/"))
-
-
 def space_warnings(needs: dict[Path, int]) -> list[str]:
     """One line per file system that has less free space than ``needs`` (path -> bytes to be written under it)
     add up to there: a run that would train for hours and then fail at its save (a checkpoint of a 4-layer
     Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/benchmarks.md)."""
     totals: dict[int, list] = {}  # file system -> [a folder on it, bytes]
     for path, size in needs.items():
-        where = _nearest_existing(path)
+        where = nearest_existing(path)
         totals.setdefault(where.stat().st_dev, [where, 0])[1] += size
     lines = []
     for where, size in totals.values():
@@ -332,7 +327,7 @@ def write_failure(e: BaseException, what: str, path: Path) -> str | None:
         if code not in _WRITE_ERRNOS and not (isinstance(cause, RuntimeError) and (
                 "unexpected pos" in str(cause) or "failed writing" in str(cause))):
             continue
-        where = _nearest_existing(path)
+        where = nearest_existing(path)
         free = shutil.disk_usage(where).free
         why = _WRITE_ERRNOS.get(code) or ("no space left on the device" if free < 64 << 20 else
                                           "file too large (a file-size limit: ulimit -f) or a quota")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from core.files import atomic_write_npy, atomic_write_text, record_paths, record_problems
+from core.files import atomic_write_npy, atomic_write_text, nearest_existing, record_paths, record_problems
 from training.data.chat import chitchat_docs, join_docs
 from training.data.config import DataConfig, source_path
 from training.data.hf_datasets import hf_corpus
@@ -60,43 +60,58 @@ def tokenized_corpus(cfg: DataConfig, tokenizer: str) -> TokenizedCorpus:
     stream, _ = _read_cache(cache)
     if stream is not None:
         return TokenizedCorpus(stream, source_sha256)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    with _cache_lock(cache) as locked:
-        stream, damage = _read_cache(cache)  # another process may have tokenized it while this one waited
-        if stream is not None:
-            return TokenizedCorpus(stream, source_sha256)
-        if damage:  # checked under the lock: a writer between the file and its record is not damage
-            logger.warning("tokenized-corpus cache %s does not match what was written (%s): tokenizing again",
-                           cache, damage)
-        if corpus is None:
-            stream = join_docs(chitchat_docs(source_path(cfg), QwenTokenizer(tokenizer)))
-        else:
-            shards = cache.with_name(cache.stem + ".shards")
-            start = time.monotonic()
-            manifest = tokenize_to_shards(corpus, shards, tokenizer, workers=_TOKENIZE_WORKERS,
-                                          docs_per_shard=_CACHE_DOCS_PER_SHARD, source_sha256=source_sha256)
-            stream = manifest.stream(shards)
-            logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", corpus.source,
-                        sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
-                        len(manifest.shards))
-        _write_cache(cache, stream)
-        if corpus is not None and locked:  # unlocked, another process may still be writing shards there
-            shutil.rmtree(shards, ignore_errors=True)
+    with _cache_writes(cache.with_name(cache.stem + ".shards")):  # the tokenized shards (and the lock): named
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with _cache_lock(cache) as locked:
+            stream, damage = _read_cache(cache)  # another process may have tokenized it while this one waited
+            if stream is not None:
+                return TokenizedCorpus(stream, source_sha256)
+            if damage:  # checked under the lock: a writer between the file and its record is not damage
+                logger.warning("tokenized-corpus cache %s does not match what was written (%s): tokenizing again",
+                               cache, damage)
+            if corpus is None:
+                stream = join_docs(chitchat_docs(source_path(cfg), QwenTokenizer(tokenizer)))
+            else:
+                shards = cache.with_name(cache.stem + ".shards")
+                start = time.monotonic()
+                manifest = tokenize_to_shards(corpus, shards, tokenizer, workers=_TOKENIZE_WORKERS,
+                                              docs_per_shard=_CACHE_DOCS_PER_SHARD, source_sha256=source_sha256)
+                stream = manifest.stream(shards)
+                logger.info("tokenized %s: %d documents, %d tokens in %.1fs over %d shards", corpus.source,
+                            sum(s.documents for s in manifest.shards), stream.shape[1], time.monotonic() - start,
+                            len(manifest.shards))
+            _write_cache(cache, stream)
+            if corpus is not None and locked:  # unlocked, another process may still be writing shards there
+                shutil.rmtree(shards, ignore_errors=True)
     return TokenizedCorpus(stream, source_sha256)
 
 
-def _write_cache(cache: Path, stream: np.ndarray) -> None:
-    """The cache file and its record, atomically. A failed write is one line naming the file, its size and the free
-    space there: numpy reports a full disk or a file-size limit without an errno ("Not enough free space to write
-    ...", "... requested and ... written"), which alone does not say which file or what to do."""
+class CacheWriteError(OSError):
+    """A write under data.cache_dir that failed, named (``_cache_writes``)."""
+
+
+@contextlib.contextmanager
+def _cache_writes(path: Path, size: str = "") -> Iterator[None]:
+    """A failed write of the cache ``path`` (or of what it is made from: its tokenized shards beside it) as one line
+    naming it, ``size`` (what it needed), the free space there and data.cache_dir: numpy reports a full disk or a
+    file-size limit without an errno ("Not enough free space to write ...", "... requested and ... written"), and
+    a shard's write without the file, which alone does not say which file or what to do. The source files were
+    read whole before (their sha256), so what fails here is a write."""
     try:
+        yield
+    except CacheWriteError:
+        raise
+    except OSError as e:
+        free = shutil.disk_usage(nearest_existing(path)).free
+        raise CacheWriteError(f"could not write the tokenized-corpus cache {path} ({size}{free / 2**30:.2f} GiB free "
+                              f"there): {e}. Free space there, or point data.cache_dir at a folder with room") from e
+
+
+def _write_cache(cache: Path, stream: np.ndarray) -> None:
+    """The cache file and its record, atomically; a failed write is one line (``_cache_writes``)."""
+    with _cache_writes(cache, f"{stream.nbytes / 2**30:.2f} GiB; "):
         atomic_write_npy(cache, stream)
         atomic_write_text(_record_file(cache), json.dumps(record_paths([cache])[cache]))
-    except OSError as e:
-        free = shutil.disk_usage(cache.parent).free
-        raise OSError(f"could not write the tokenized-corpus cache {cache} ({stream.nbytes / 2**30:.2f} GiB; "
-                      f"{free / 2**30:.2f} GiB free there): {e}. Free space there, or point data.cache_dir at a "
-                      "folder with room") from e
 
 
 def _record_file(cache: Path) -> Path:
