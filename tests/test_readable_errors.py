@@ -5,6 +5,7 @@ each case with its test."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -338,3 +339,44 @@ def test_a_full_disk_while_tokenizing_into_the_cache_names_the_folder_and_the_ke
                                       r"\w+\.shards \([\d.]+ GiB free there\): .*\. Free space there, or point "
                                       r"data\.cache_dir at a folder with room"):
         build_data_loader(cfg, seed=0, local_batch_size=1, dp_rank=0, dp_size=1)
+
+
+@pytest.mark.parametrize("errno_name", ["EACCES", "EROFS"])
+def test_a_run_folder_made_read_only_mid_run_is_one_line_naming_the_file(tiny_run_config, monkeypatch, errno_name):
+    """The run folder's permissions taken away (or its file system remounted read-only) under a running job (before:
+    the bare PermissionError of whichever write came first). Simulated: the tests run as root, which permissions
+    do not stop. The checkpoint at step 2 and the final weights."""
+    import errno
+
+    from training import checkpoint as ckpt
+
+    code = getattr(errno, errno_name)
+    saves, save = [], ckpt.dcp.save
+
+    def denied_at_step_2(state, checkpoint_id):
+        saves.append(checkpoint_id)
+        if len(saves) == 2:
+            raise PermissionError(code, os.strerror(code), f"{checkpoint_id}/__0_0.distcp")
+        return save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(ckpt.dcp, "save", denied_at_step_2)
+    cfg = tiny_run_config("train.steps=3", "checkpoint.interval=1")
+    root = Path(cfg.train.output_dir) / "checkpoints"
+    why = {"EACCES": "permission denied", "EROFS": "read-only file system"}[errno_name]
+    with pytest.raises(ckpt.CheckpointError, match=rf"could not write checkpoint {root / 'step_00000002'}: {why} on "
+                                                   rf"{root / '.tmp-step_00000002'}/__0_0.distcp \(its folder made read-"
+                                                   rf"only under the run\?\): make it writable again; the previous "
+                                                   rf"checkpoint {root / 'step_00000001'} is intact"):
+        train.run(cfg)
+    monkeypatch.undo()
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(ckpt, "write_safetensors", denied)
+    run = Path(cfg.train.output_dir)
+    with pytest.raises(ckpt.CheckpointError, match=rf"could not write {run / 'model.safetensors'}: {why} on "
+                                                   rf"{run}/.model.safetensors.tmp-\d+ \(its folder made read-only under "
+                                                   rf"the run\?\): make it writable again; the trained state is in "
+                                                   rf"checkpoint {root / 'step_00000003'}"):
+        train.run(tiny_run_config("train.steps=3", "checkpoint.interval=1", "train.resume=auto"))

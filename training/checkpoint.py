@@ -251,14 +251,15 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     last and publishes the directory by renaming it."""
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
+    previous = complete_checkpoints(root)
+    kept = f"; the previous checkpoint {previous[-1]} is intact" if previous else "; no earlier checkpoint exists"
     if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        with _named_write_failures(f"checkpoint {final}", root, None, kept):
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
     _barrier()
     start = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    previous = complete_checkpoints(root)
-    kept = f"; the previous checkpoint {previous[-1]} is intact" if previous else "; no earlier checkpoint exists"
     with _named_write_failures(f"checkpoint {final}", root, tmp if is_writer else None, kept):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     _barrier()
@@ -281,6 +282,9 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
 
 _WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (a file-size limit: "
                  "ulimit -f)", errno.EDQUOT: "disk quota exceeded"}
+# A folder made read-only under a running job (its permissions, or the file system remounted read-only).
+_DENIED_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                  errno.EROFS: "read-only file system"}
 
 
 def save_sizes(model: nn.Module, moment_dtype: torch.dtype) -> tuple[int, int]:
@@ -312,7 +316,8 @@ def space_warnings(needs: dict[Path, int]) -> list[str]:
 
 def write_failure(e: BaseException, what: str, path: Path) -> str | None:
     """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what
-    it wraps: DCP gathers every rank's exception) is a failed write, else None. torch's zip writer reports a full
+    it wraps: DCP gathers every rank's exception) is a failed write, or ``could not write <what>: permission denied
+    on <file> ...`` for a folder made read-only under the run, else None. torch's zip writer reports a full
     disk or a file-size limit as ``RuntimeError ... unexpected pos``, without an errno: then the free space says
     which."""
     pending, seen = [e], []
@@ -324,6 +329,9 @@ def write_failure(e: BaseException, what: str, path: Path) -> str | None:
         pending += [cause.__cause__, cause.__context__]
         pending += [failure[0] for failure in getattr(cause, "failures", {}).values()]
         code = cause.errno if isinstance(cause, OSError) else None
+        if code in _DENIED_ERRNOS:
+            return (f"could not write {what}: {_DENIED_ERRNOS[code]} on {cause.filename or path} (its folder made "
+                    "read-only under the run?): make it writable again")
         if code not in _WRITE_ERRNOS and not (isinstance(cause, RuntimeError) and (
                 "unexpected pos" in str(cause) or "failed writing" in str(cause))):
             continue
