@@ -382,10 +382,10 @@ def test_warmup_longer_than_the_run_is_named(tiny_run_config, caplog):
 
 
 def test_train_compile_says_what_it_measured() -> None:
-    """The start-up warning of train.compile=true quotes the measurement (docs/benchmarks.md has the row)."""
+    """The start-up warning of train.compile=true quotes the measurement (docs/results.md has the row)."""
     assert config_warnings(compose_config(["train.compile=true"])) == [COMPILE_VERDICT]
     assert config_warnings(compose_config([])) == []
-    assert "99,627" in COMPILE_VERDICT and "99,627" in (REPO / "docs" / "benchmarks.md").read_text()
+    assert "99,627" in COMPILE_VERDICT and "99,627" in (REPO / "docs" / "results.md").read_text()
 
 
 def test_a_sweep_with_a_fixed_output_dir_puts_each_job_under_it(tmp_path):

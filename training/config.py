@@ -250,7 +250,7 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-# What train.compile measured (docs/benchmarks.md): said at start-up so nobody waits on a compile for nothing.
+# What train.compile measured (docs/results.md): said at start-up so nobody waits on a compile for nothing.
 COMPILE_VERDICT = ("train.compile=true: measured no faster than eager on one H200 (torch 2.11, 4-layer Qwen3-30B-A3B, "
                    "4 x 4,096 tokens: 99,627 vs 102,034 tokens/s; 235B shapes, 1 layer: 80,348 vs 80,585): the "
                    "blocks compile around their eager experts, and the eager path's kernels are already fused; "

@@ -41,7 +41,7 @@ class PlanConfig:
     gpus_per_node: int = 8
     nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
     internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
-    # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (docs/benchmarks.md: 350
+    # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (docs/lab/benchmarks.md: 350
     # TFLOP/s as counted there) without its optimizer time, and with the masked half of attention not counted.
     tflops: float = 350.0
     hbm_gb_s: float = 4260.0  # device memory copy rate (the optimizer's time): measured on the H200 (BRIEF)
