@@ -68,6 +68,11 @@ class _WithTheirKernels(importlib.abc.Loader):
     def __init__(self, loader: importlib.abc.Loader, theirs: importlib.machinery.ModuleSpec) -> None:
         self.loader, self.theirs = loader, theirs
 
+    def __getattr__(self, name: str):  # get_source etc.: tracebacks through the module show its lines
+        if name == "loader":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
