@@ -223,7 +223,7 @@ def _bench_cells(command: Command) -> list[tuple[list[str], int]]:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     try:
-        args = bench.build_parser().parse_args(list(command.args))
+        args = bench.parse_args(list(command.args))
     except SystemExit as e:
         raise ValueError(f"scripts/bench.py refuses its arguments {' '.join(command.args)}") from e
     out, tokens = Path("/nonexistent/bench"), Path("/nonexistent/bench/random_tokens.npy")

@@ -27,6 +27,8 @@ import training.optim
 from kernels import installed
 from kernels.grouped_mm import native_grouped_mm
 
+pytestmark = pytest.mark.torch_apis  # torch._grouped_mm, host-syncing ops
+
 REPO = Path(__file__).resolve().parents[1]
 TORCH_OPTIM = str(Path(torch.optim.__file__).parent)
 aten = torch.ops.aten

@@ -110,6 +110,7 @@ def counted(tmp_path_factory):
     return cfgs, run_distributed(_count_worker, WORLD, cfgs)
 
 
+@pytest.mark.torch_apis
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_planned_collective_bytes_equal_the_counted_ones(counted, case):
     cfgs, results = counted

@@ -35,6 +35,8 @@ from tests.test_plan import PLANNED_MESHES, QWEN35_TINY
 from training.config import validate
 from training.planner import PlanConfig, plan
 
+pytestmark = pytest.mark.torch_apis  # a Python process-group backend (c10d's trampoline names differ by version)
+
 # layout -> (world, simulated rank, overrides). ep4_efsdp2 on 4 experts takes the Shard(1) fallback (efsdp x ep =
 # 8 > 4). Qwen3.5's shared_expert_gate [1, D] has fewer rows than FSDP ranks: only rank 0's shard holds its row (a
 # padded shard of another rank tiles padding), so that layout simulates rank 0.
