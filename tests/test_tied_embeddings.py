@@ -33,9 +33,8 @@ def config(tmp_path: Path, family: str, run: str, *overrides: str):
         "logging.tensorboard=false", "train.device=cpu", "train.mixed_precision=fp32", *overrides])
 
 
-def trained_models(monkeypatch: pytest.MonkeyPatch) -> list[torch.nn.Module]:
-    """The models train.run builds, in order (filled as runs build them)."""
-    built: list[torch.nn.Module] = []
+def recording(built: list[torch.nn.Module]):
+    """train.build_model, appending each model it builds to ``built``."""
     build = train.build_model
 
     def record(*args, **kwargs):
@@ -43,14 +42,14 @@ def trained_models(monkeypatch: pytest.MonkeyPatch) -> list[torch.nn.Module]:
         built.append(out[0])
         return out
 
-    monkeypatch.setattr(train, "build_model", record)
-    return built
+    return record
 
 
 @pytest.mark.parametrize("family", list(TINY))
 def test_a_tied_run_keeps_its_head_the_embedding_and_exports_transformers_tied_model(family, tmp_path, monkeypatch):
     write_tokens(tmp_path / "tokens.npy", 4096)
-    built = trained_models(monkeypatch)
+    built: list[torch.nn.Module] = []
+    monkeypatch.setattr(train, "build_model", recording(built))
     history = train.run(config(tmp_path, family, "run", "train.steps=3", "checkpoint.interval=2",
                                "checkpoint.export_hf_at_end=true"))
     model = built[0].eval()
@@ -87,3 +86,33 @@ def test_a_tied_run_keeps_its_head_the_embedding_and_exports_transformers_tied_m
     reference.loss.backward()
     torch.testing.assert_close(loss, reference.loss, rtol=0, atol=1e-5)
     torch.testing.assert_close(embedding.grad, hf.get_input_embeddings().weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def _fsdp2_worker(rank: int, world_size: int, cfgs: dict) -> dict:
+    """Each run's metrics, and whether its model's head was its embedding after training (rank 0's)."""
+    built: list[torch.nn.Module] = []
+    train.build_model = recording(built)  # this forked rank's own train module
+    return {name: (train.run(cfg), built[-1].lm_head.weight is built[-1].model.embed_tokens.weight)
+            for name, cfg in cfgs.items()}
+
+
+def test_fsdp2_keeps_the_tie_in_one_unit_and_trains_as_one_process(tmp_path):
+    """Two gloo ranks under parallel=fsdp2: the tied embedding and head are one FSDP unit; the run trains as one
+    process does, its checkpoint resumes in one process, and its final weights are the one-process run's."""
+    write_tokens(tmp_path / "tokens.npy", 4096)
+    reference = {family: train.run(config(tmp_path, family, f"single-{family}", "train.steps=3")) for family in TINY}
+    layouts = {family: config(tmp_path, family, f"fsdp2-{family}", "train.steps=3", "checkpoint.interval=2",
+                              "parallel=fsdp2", "train.local_batch_size=2") for family in TINY}
+    results = run_distributed(_fsdp2_worker, 2, layouts)
+    for family in TINY:
+        history, tied = results[family]
+        assert tied
+        assert_same_curve(history, reference[family], steps=[1, 2, 3])
+        # Its checkpoint resumes in one process, tied, as the one-process run trained on.
+        resumed = train.run(config(tmp_path, family, f"resumed-{family}", "train.steps=3",
+                                   f"train.resume={tmp_path / f'fsdp2-{family}' / 'checkpoints' / 'step_00000002'}"))
+        assert_same_curve(resumed, reference[family], steps=[3])
+        final, want = (load_file(tmp_path / f"{run}-{family}" / "model.safetensors") for run in ("fsdp2", "single"))
+        assert "lm_head.weight" not in final and final.keys() == want.keys()
+        for name, tensor in want.items():  # as a whole (AdamW divides near-zero gradients: single entries differ)
+            assert (final[name] - tensor).norm() <= 1e-4 * tensor.norm(), name
