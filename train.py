@@ -39,8 +39,8 @@ from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
                                  save_sizes, set_rng_state, space_warnings)
-from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, register_schema,
-                             schema_defaults, to_train_config, validate)
+from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, input_paths,
+                             register_schema, schema_defaults, to_train_config, validate)
 from training.data.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
 from training.data.loader import build_data_loader
 from training.data.packing import context_shard
@@ -52,7 +52,8 @@ from training.metrics import (MetricLogger, attended_flops_per_token, moe_metric
 from training.optim import build_optimizer, build_scheduler, clipped_step, queue_step
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
-from training.run_dir import Start, check_not_moved, find_start, lock_run_dir, new_record, write_record
+from training.run_dir import (Start, check_apart, check_not_moved, find_start, lock_checkpoint_dir, lock_run_dir,
+                              new_record, outside, write_record)
 from training.run_logs import run_logs
 
 logger = logging.getLogger("train")
@@ -218,6 +219,8 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
     before torchrun starts any child, so an impossible layout is one short error. ``resumed``: the config of the
     checkpoint being resumed."""
     validate(cfg)
+    outputs = {"train.output_dir": run_path(cfg), "checkpoint.dir": cfg.checkpoint.dir}
+    check_apart({key: Path(path) for key, path in outputs.items() if path}, input_paths(cfg))
     cfg = as_resumed(cfg, resumed)
     spec, model_args = resolve_model(cfg)
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
@@ -424,6 +427,8 @@ def open_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims, run_scope: c
     def choose() -> tuple[str, Start]:
         path = run_path(cfg)
         run_scope.enter_context(lock_run_dir(path))  # held until the run ends; the OS releases it if we die
+        if outside(checkpoint_root(cfg, path), path):  # a checkpoint.dir of its own: held the same way
+            run_scope.enter_context(lock_checkpoint_dir(checkpoint_root(cfg, path), path))
         return str(path), find_run_start(cfg)
 
     path, start = on_rank0(dims, choose)
