@@ -15,7 +15,7 @@ from models import build_args
 from models.hf_io import export_hf
 from training.checkpoint import CheckpointError
 from tests.conftest import write_tokens
-from training.run_dir import lock_checkpoint_dir
+from training import run_dir
 
 _NOT_COMPARED = ("train.log", "run.lock")  # the refused start's log lines; the lock a holder rewrites
 
@@ -106,7 +106,7 @@ def test_a_checkpoint_dir_is_held_and_owned_like_the_run_directory(tiny_run_conf
     assert [m["step"] for m in more] == [3]
     # While a run holds a checkpoint.dir (none saved yet), another is refused naming it.
     fresh = tmp_path / "fresh"
-    with lock_checkpoint_dir(fresh, tmp_path / "holder"):
+    with run_dir.lock_checkpoint_dir(fresh, tmp_path / "holder"):
         with pytest.raises(CheckpointError, match=re.escape(f"checkpoint.dir={fresh} is in use by another run (pid ")
                            + f".*; run {re.escape(str(tmp_path / 'holder'))}\\); .*another checkpoint.dir"):
             train.run(tiny_run_config("train.steps=1", f"train.output_dir={tmp_path / 'third'}",
