@@ -3,12 +3,15 @@ checkpoints are, how far it got, whether it finished), and a start in it continu
 
 - ``lock_run_dir``: an exclusive ``fcntl.flock`` on ``<run_dir>/run.lock``, taken before the run's first write
   and held to its exit (the OS releases it when the process dies, however it dies). The holder's pid, host and
-  start time are written into the file, so a second run names it.
+  start time are written into the file, so a second run names it. ``lock_checkpoint_dir`` holds a checkpoint.dir
+  outside the run directory the same way, its line also naming the run, which stays there as the directory's owner.
+- ``check_apart``: an output directory that is, holds or lies inside an input (model.init_from, data) is refused.
 - ``find_start``: what ``train.resume`` continues, decided from the checkpoints (under checkpoint.dir and every
   directory the record names) and the record, before anything is rewritten:
   ``none`` refuses a directory that holds a run; ``auto`` takes the newest checkpoint, or (none written) the
   run's config.yaml to compare against, or a fresh start in an empty directory; a path to an older checkpoint
-  of this run refuses unless ``train.discard_newer=true``.
+  of this run refuses unless ``train.discard_newer=true``; another run's checkpoint refuses a directory that holds
+  a run, or that overlaps it; a checkpoint.dir that holds another run's checkpoints refuses.
 - ``check_not_moved``: a run's config.yaml used as the primary config of a run that would write elsewhere (the
   run was moved or copied; its absolute train.output_dir still names the old place) is refused.
 
