@@ -11,26 +11,20 @@ from pathlib import Path
 import pytest
 
 import train
-from models import build_args
+from models import build_args, get_spec
 from models.hf_io import export_hf
-from training.checkpoint import CheckpointError
 from tests.conftest import write_tokens
 from training import run_dir
-
-_NOT_COMPARED = ("train.log", "run.lock")  # the refused start's log lines; the lock a holder rewrites
-
+from training.checkpoint import CheckpointError
 
 def _tree(root: Path) -> dict[str, bytes | None]:
     """Every entry under ``root`` (a directory: None) and each file's bytes."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.name not in _NOT_COMPARED}
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
 
 
 @pytest.fixture
 def hf_dir(tiny_run_config, tmp_path) -> Path:
     """A model.init_from directory of the tiny model."""
-    from models import get_spec
-
     cfg = tiny_run_config()
     model = get_spec("qwen3_moe").model_cls(build_args("qwen3_moe", dict(cfg.model.arch)))
     model.init_weights()

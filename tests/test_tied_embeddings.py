@@ -1,6 +1,7 @@
 """model.arch.tie_word_embeddings=true in both families: the LM head is the embedding after materialisation and
 training, in the checkpoint, after a resume, in the final weights and in the HF export, whose transformers model
-(tied) gives our trained model's loss and gradient; under FSDP2 the two share one unit and train as one process."""
+(tied) gives our trained model's loss and gradient; under FSDP2 (the two share one unit) and DDP a tied run trains
+as one process does."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_a_tied_run_keeps_its_head_the_embedding_and_exports_transformers_tied_m
     torch.testing.assert_close(embedding.grad, hf.get_input_embeddings().weight.grad, rtol=1e-4, atol=1e-6)
 
 
-def _fsdp2_worker(rank: int, world_size: int, cfgs: dict) -> dict:
+def _layouts_worker(rank: int, world_size: int, cfgs: dict) -> dict:
     """Each run's metrics, and whether its model's head was its embedding after training (rank 0's)."""
     built: list[torch.nn.Module] = []
     train.build_model = recording(built)  # this forked rank's own train module
@@ -96,18 +97,20 @@ def _fsdp2_worker(rank: int, world_size: int, cfgs: dict) -> dict:
             for name, cfg in cfgs.items()}
 
 
-def test_fsdp2_keeps_the_tie_in_one_unit_and_trains_as_one_process(tmp_path):
-    """Two gloo ranks under parallel=fsdp2: the tied embedding and head are one FSDP unit; the run trains as one
-    process does, its checkpoint resumes in one process, and its final weights are the one-process run's."""
+def test_fsdp2_and_ddp_keep_the_tie_and_train_as_one_process(tmp_path):
+    """Two gloo ranks under parallel=fsdp2 (the tied embedding and head are one FSDP unit) and ddp: each trains as
+    one process does, tied; fsdp2's checkpoint resumes in one process, and its final weights are one process's."""
     write_tokens(tmp_path / "tokens.npy", 4096)
     reference = {family: train.run(config(tmp_path, family, f"single-{family}", "train.steps=3")) for family in TINY}
-    layouts = {family: config(tmp_path, family, f"fsdp2-{family}", "train.steps=3", "checkpoint.interval=2",
-                              "parallel=fsdp2", "train.local_batch_size=2") for family in TINY}
-    results = run_distributed(_fsdp2_worker, 2, layouts)
-    for family in TINY:
-        history, tied = results[family]
-        assert tied
+    two_ranks = ["train.steps=3", "train.local_batch_size=2"]
+    layouts = {(family, "fsdp2"): config(tmp_path, family, f"fsdp2-{family}", *two_ranks, "checkpoint.interval=2",
+                                         "parallel=fsdp2") for family in TINY}
+    layouts["qwen3_moe", "ddp"] = config(tmp_path, "qwen3_moe", "ddp", *two_ranks, "parallel=ddp")
+    results = run_distributed(_layouts_worker, 2, layouts)
+    for (family, layout), (history, tied) in results.items():
+        assert tied, layout
         assert_same_curve(history, reference[family], steps=[1, 2, 3])
+    for family in TINY:
         # Its checkpoint resumes in one process, tied, as the one-process run trained on.
         resumed = train.run(config(tmp_path, family, f"resumed-{family}", "train.steps=3",
                                    f"train.resume={tmp_path / f'fsdp2-{family}' / 'checkpoints' / 'step_00000002'}"))
