@@ -6,6 +6,8 @@ docs/reliability.md lists each case with its test."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,11 @@ import pytest
 import train
 from models import build_args, get_spec
 from models.hf_io import export_hf
-from tests.conftest import write_tokens
+from tests.conftest import TINY_MODEL, write_tokens
 from training import run_dir
 from training.checkpoint import CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
 
 def _tree(root: Path) -> dict[str, bytes | None]:
     """Every entry under ``root`` (a directory: None) and each file's bytes."""
@@ -106,3 +110,15 @@ def test_a_checkpoint_dir_is_held_and_owned_like_the_run_directory(tiny_run_conf
             train.run(tiny_run_config("train.steps=1", f"train.output_dir={tmp_path / 'third'}",
                                       f"checkpoint.dir={fresh}"))
     assert not (tmp_path / "third" / "run.json").exists()
+
+
+def test_on_the_command_line_the_refusal_comes_before_hydra_makes_the_directory(tiny_run_config, tmp_path, hf_dir):
+    """Checked where Hydra resolves its run directory: neither <init_from>/run nor Hydra's train.log in it is made."""
+    before = _tree(tmp_path)
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY_MODEL, "data=tokens",
+                          f"data.path={tmp_path / 'tokens.npy'}", f"data.cache_dir={tmp_path / 'cache'}",
+                          f"model.init_from={hf_dir}", f"train.output_dir={hf_dir / 'run'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"error: ValueError: train.output_dir={hf_dir / 'run'} is inside model.init_from={hf_dir}" in out.stderr
+    assert _tree(tmp_path) == before
