@@ -212,9 +212,10 @@ STATE_DTYPES = ("float32", "bfloat16")  # optim.state_dtype
 BF16_MIN_STEP = 2**-8  # the largest relative half ulp of bf16: a moment moving by less rounds back where it was
 
 
-def input_paths(cfg: TrainConfig) -> list[tuple[str, Path]]:
+def input_paths(cfg: TrainConfig | DictConfig) -> list[tuple[str, Path]]:
     """(key, path) of each input a fresh start reads from the file system: model.init_from and the data's files
-    (a glob: the directory it searches; a data.path that is no path, as a hub dataset's name, is left out)."""
+    (a glob: the directory it searches; a data.path that is no path, as a hub dataset's name, is left out).
+    ``cfg``: the TrainConfig, or the composed config where Hydra resolves its run directory."""
     paths = [("model.init_from", cfg.model.init_from)] if cfg.model.init_from else []
     paths += [(key, str(glob_root(path))) for key, path in token_paths(cfg.data) if path]
     return [(key, Path(path)) for key, path in paths if Path(path).exists()]

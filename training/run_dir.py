@@ -79,10 +79,10 @@ def _hold(directory: Path, what: str, key: str, owner: str) -> IO[str]:
     return handle
 
 
-def outside(path: Path, run_dir: Path) -> bool:
-    """Whether ``path`` is neither ``run_dir`` nor inside it (symlinks and ``..`` resolved)."""
-    path, run_dir = path.resolve(), run_dir.resolve()
-    return path != run_dir and run_dir not in path.parents
+def outside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is neither ``directory`` nor inside it (symlinks and ``..`` resolved)."""
+    path, directory = path.resolve(), directory.resolve()
+    return path != directory and directory not in path.parents
 
 
 def check_apart(outputs: dict[str, Path], inputs: list[tuple[str, Path]]) -> None:
