@@ -55,7 +55,8 @@ def test_a_tied_run_keeps_its_head_the_embedding_and_exports_transformers_tied_m
                                "checkpoint.export_hf_at_end=true"))
     model = built[0].eval()
     embedding = model.model.embed_tokens.weight
-    assert model.lm_head.weight is embedding  # one parameter: one gradient, one AdamW state
+    tied = model.lm_head.weight is embedding  # one parameter: one gradient, one AdamW state
+    assert tied, "the LM head trained as a parameter of its own"
     fresh = get_spec(family).model_cls(model.args)
     fresh.init_weights()
     assert not torch.equal(fresh.model.embed_tokens.weight, embedding)  # it trained
