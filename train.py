@@ -39,8 +39,8 @@ from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
                                  save_sizes, set_rng_state, space_warnings)
-from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, register_schema,
-                             schema_defaults, to_train_config, validate)
+from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, input_paths,
+                             register_schema, schema_defaults, to_train_config, validate)
 from training.data.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
 from training.data.loader import build_data_loader
 from training.data.packing import context_shard
@@ -53,7 +53,8 @@ from training.planner import fit_warnings
 from training.optim import build_optimizer, build_scheduler, clipped_step, queue_step
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
-from training.run_dir import Start, check_not_moved, find_start, lock_run_dir, new_record, write_record
+from training.run_dir import (Start, check_apart, check_not_moved, find_start, lock_checkpoint_dir, lock_run_dir,
+                              new_record, outside, write_record)
 from training.run_logs import run_logs
 
 logger = logging.getLogger("train")
@@ -223,6 +224,7 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
     before torchrun starts any child, so an impossible layout is one short error. ``resumed``: the config of the
     checkpoint being resumed."""
     validate(cfg)
+    check_outputs_apart(cfg, run_path(cfg))
     cfg = as_resumed(cfg, resumed)
     spec, model_args = resolve_model(cfg)
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
@@ -234,6 +236,12 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
     return spec, model_args, tokenizer
+
+
+def check_outputs_apart(cfg: TrainConfig | DictConfig, run_dir: Path) -> None:
+    """The run directory and checkpoint.dir apart from the inputs (``training.run_dir.check_apart``)."""
+    outputs = {"train.output_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir}
+    check_apart({key: Path(path) for key, path in outputs.items() if path}, input_paths(cfg))
 
 
 def check_balanced_routing(args: Any, cp: int, seq_len: int) -> None:
@@ -439,6 +447,8 @@ def open_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims, run_scope: c
     def choose() -> tuple[str, Start]:
         path = run_path(cfg)
         run_scope.enter_context(lock_run_dir(path))  # held until the run ends; the OS releases it if we die
+        if outside(checkpoint_root(cfg, path), path):  # a checkpoint.dir of its own: held the same way
+            run_scope.enter_context(lock_checkpoint_dir(checkpoint_root(cfg, path), path))
         return str(path), find_run_start(cfg)
 
     path, start = on_rank0(dims, choose)
@@ -787,15 +797,18 @@ def relaunch(cfg: TrainConfig) -> None:
                            checkpoints=checkpoint_root(cfg, run_dir))
 
 
-def hydra_run_dir_of(output_dir: str | None, default: str) -> str:
+def hydra_run_dir_of(output_dir: str | None, default: str, _root_: DictConfig | None = None) -> str:
     """conf/config.yaml's Hydra run (and sweep) directory: train.output_dir when set, else ``default``. Checked
-    here, before Hydra makes it (one line, not Hydra's traceback): a file there, and a run's config.yaml re-run
-    from a directory its train.output_dir no longer names (it would start a run at the old place)."""
+    here, before Hydra makes it and its log file (one line, not Hydra's traceback): a file there, a directory over
+    an input (``_root_``: the whole config), and a run's config.yaml re-run from a directory its train.output_dir no
+    longer names (it would start a run at the old place)."""
     from hydra.core.hydra_config import HydraConfig
 
     with one_line_errors():
         if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
             raise ValueError(f"train.output_dir={output_dir} is a file, not a directory; name a directory")
+        if output_dir is not None and _root_ is not None:
+            check_outputs_apart(_root_, Path(output_dir))
         if HydraConfig.initialized():
             hydra_cfg = HydraConfig.get()
             given = any(o.lstrip("+~").split("=")[0] == "train.output_dir" for o in hydra_cfg.overrides.task)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -19,7 +20,7 @@ from parallelisms.dispatchers.base import validate_dispatcher_config
 from parallelisms.dispatchers.config import DispatcherConfig
 from parallelisms.float8 import FLOAT8_MODES
 from training.checkpoint import CheckpointConfig
-from training.data.config import DataConfig, validate_data_config
+from training.data.config import DataConfig, glob_root, token_paths, validate_data_config
 from training.data.hf_tokenizer import CHOICES as TOKENIZER_CHOICES
 from training.launch import LaunchConfig, simulation_errors
 
@@ -216,6 +217,15 @@ def validate(cfg: TrainConfig) -> None:
 
 STATE_DTYPES = ("float32", "bfloat16")  # optim.state_dtype
 BF16_MIN_STEP = 2**-8  # the largest relative half ulp of bf16: a moment moving by less rounds back where it was
+
+
+def input_paths(cfg: TrainConfig | DictConfig) -> list[tuple[str, Path]]:
+    """(key, path) of each input a fresh start reads from the file system: model.init_from and the data's files
+    (a glob: the directory it searches; a data.path that is no path, as a hub dataset's name, is left out).
+    ``cfg``: the TrainConfig, or the composed config where Hydra resolves its run directory."""
+    paths = [("model.init_from", cfg.model.init_from)] if cfg.model.init_from else []
+    paths += [(key, str(glob_root(path))) for key, path in token_paths(cfg.data) if path]
+    return [(key, Path(path)) for key, path in paths if Path(path).exists()]
 
 
 def _check_state_dtype(o: OptimConfig) -> None:
