@@ -49,7 +49,8 @@ from training.launch import needs_torchrun, one_line_errors, relaunch_with_torch
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
                               routing_summary)
-from training.optim import build_optimizer, build_scheduler, clipped_step, queue_step
+from training.optim import (SkippedSteps, build_optimizer, build_scheduler, clipped_step, nonfinite_report,
+                            queue_step)
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
 from training.run_dir import Start, check_not_moved, find_start, lock_run_dir, new_record, write_record
@@ -199,7 +200,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
     if queued and not finite:
         optimizer.rewind()  # the device did not apply it
     if not finite and cfg.train.nonfinite == "stop":
-        raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
+        raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}: "
+                                 f"{nonfinite_report(model, optimizer, loss, norm)}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
         if not queued:
@@ -311,6 +313,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     history: list[dict[str, Any]] = []
     steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
     saved_at = first_step - 1 if run_dir.start.checkpoint else None  # the step the newest checkpoint holds
+    skipped = SkippedSteps(cfg.train.steps)  # train.nonfinite=skip: too many in a row stop the run
     start = clock = time.perf_counter()
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
@@ -351,6 +354,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         history.append(metrics)
         log_step(metrics, result, logs, loader, metric_logger, cfg, dims,
                  eta=(time.perf_counter() - start) / done * (len(steps) - done))
+        skipped.count(step, metrics["skipped"], model, optimizer, result.loss, result.grad_norm)
         if stop.requested():
             stop.path = checkpoint(step)
             logger.info("stopping at step %d on %s after saving a checkpoint", step, stop.name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -134,6 +135,72 @@ def queue_step(optimizer: torch.optim.Optimizer, max_norm: float, norm: torch.Te
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard (a view: in-place updates reach the DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+# train.nonfinite=skip stops at this many skipped steps in a row (a run of fewer steps: when all of them are). A
+# skipped step changes neither the weights nor the optimizer state, so a step that fails because of them (a weight
+# holding an Inf, moments overflowed by a huge update) fails again at every later step, whatever the data: a run
+# would skip to its end and be recorded as finished. A bad batch or two in a row is what skipping is for; five is past
+# that, and costs five steps' time.
+MAX_SKIPPED_IN_A_ROW = 5
+
+
+class SkippedSteps:
+    """Counts train.nonfinite=skip's skipped steps in a row; past the bound (``MAX_SKIPPED_IN_A_ROW``) the run
+    stops, naming the first non-finite tensor (``first_nonfinite``) or the loss."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.limit = max(1, min(MAX_SKIPPED_IN_A_ROW, total_steps))
+        self.in_a_row = 0
+
+    def count(self, step: int, skipped: bool, model: nn.Module, optimizer: torch.optim.Optimizer, loss: float,
+              grad_norm: float) -> None:
+        """After each step (collective when the bound is reached: every rank skips the same steps)."""
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if self.in_a_row < self.limit:
+            return
+        raise FloatingPointError(f"{self.in_a_row} steps in a row skipped (steps {step - self.in_a_row + 1} to "
+                                 f"{step}; train.nonfinite=skip stops at {self.limit}): "
+                                 f"{nonfinite_report(model, optimizer, loss, grad_norm)}; a skipped step changes "
+                                 "nothing, so every later step would be skipped too. Resume from a checkpoint before "
+                                 "the first skipped step (train.resume=<it> train.discard_newer=true), with a lower "
+                                 "optim.lr or optim.grad_clip")
+
+
+def nonfinite_report(model: nn.Module, optimizer: torch.optim.Optimizer, loss: float, grad_norm: float) -> str:
+    """What is non-finite, the first of: a weight, an optimizer state, a gradient (by name; collective), else the
+    loss or the gradient norm."""
+    found = first_nonfinite(model, optimizer)
+    if found is not None:
+        return found
+    if not math.isfinite(loss):
+        return f"the loss is {loss} with every weight, optimizer state and gradient finite (the data or the forward)"
+    return f"the gradient norm is {grad_norm} with every weight and the loss finite (an overflow in backward)"
+
+
+def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """``parameter <name> holds inf`` for the first parameter (in the model's order) holding a NaN or Inf, then
+    the first optimizer state, then the first gradient (where gradients are kept); None: all finite. Collective
+    under a process group: a rank holds a shard of each parameter, and every rank names the same one."""
+    named = [(name, p) for name, p in model.named_parameters()]
+    tensors = [(f"parameter {name}", p) for name, p in named]
+    tensors += [(f"optimizer state {key} of {name}", value) for name, p in named
+                for key, value in optimizer.state.get(p, {}).items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim]
+    tensors += [(f"gradient of {name}", p.grad) for name, p in named if p.grad is not None]
+    if not tensors:
+        return None
+    # per tensor: (holds a NaN, holds an Inf), this rank's shard, then over all ranks
+    flags = torch.stack([torch.stack([_local(t).isnan().any(), _local(t).isinf().any()]) for _, t in tensors])
+    flags = flags.float()
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad = flags.amax(dim=1).nonzero().flatten().tolist()
+    if not bad:
+        return None
+    what, nan_inf = tensors[bad[0]][0], flags[bad[0]].tolist()
+    values = " and ".join(kind for kind, flag in zip(("nan", "inf"), nan_inf) if flag)
+    return f"{what} holds {values}" + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else "")
 
 
 # Decay shapes: the multiplier's fraction of (1 - min_lr_ratio) left at decay progress p in [0, 1].
