@@ -557,7 +557,7 @@ def restore(start: Start, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         return 1, 0, 0
     state = start.state
     load_checkpoint(start.checkpoint, model, optimizer, state.get("files"))
-    loader.load_state_dict(state["loader"], allow_changes)
+    loader.load_state_dict(state["loader"], allow_changes, checkpoint=f"checkpoint {start.checkpoint}")
     set_rng_state(state["rng"], dev_type)
     if dims.rank == 0:
         logger.info("resumed from %s at step %d", start.checkpoint, state["step"])
