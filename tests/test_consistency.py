@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
 import train
-from tests.conftest import TINY_MODEL, compose_config, write_tokens
+from tests.conftest import TINY_MODEL, compose_config, write_chats, write_tokens
 from training import checkpoint as ckpt
+from training.data.config import DataConfig
+from training.data.loader import build_data_loader
+from training.data.tokenize_shards import MANIFEST, tokenize_to_shards
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -140,4 +148,52 @@ def test_a_non_finite_gradient_is_named_under_nonfinite_stop(tiny_run_config):
     cfg = tiny_run_config("train.steps=2", "optim.lr=1e30", "optim.warmup_steps=0")
     with pytest.raises(FloatingPointError, match=r"non-finite loss=\S+ or grad_norm=nan: gradient of \S+ holds nan"):
         train.run(cfg)
+
+
+# ------------------------------------------------------------------------------------- 7. foreign or stale shards
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_pretokenize_never_overwrites_a_shard_it_did_not_write(tmp_path):
+    source, out = write_chats(tmp_path / "chats.jsonl", 40), tmp_path / "out"
+    out.mkdir()
+    np.save(out / "shard_00000.npy", np.arange(10))  # the user's (before: overwritten)
+    before = _tree(out)
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "pretokenize.py"), str(source), str(out),
+                           "--workers", "1", "--docs-per-shard", "10"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"error: ValueError: {out} holds shard_00000.npy, which scripts/pretokenize.py did "
+                                  "not write (no manifest.json records them): ")
+    assert _tree(out) == before  # nothing written, not even a manifest
+
+
+def test_pretokenize_into_an_old_folder_without_its_manifest_is_refused(tmp_path):
+    source, out = write_chats(tmp_path / "chats.jsonl", 60), tmp_path / "out"
+    tokenize_to_shards(source, out, "qwen3", docs_per_shard=10)  # an old run: 6 shards
+    (out / MANIFEST).unlink()
+    before = _tree(out)
+    with pytest.raises(ValueError, match=rf"{out} holds shard_00000.npy, shard_00001.npy, shard_00002.npy and 3 "
+                                         r"more, which scripts/pretokenize.py did not write"):
+        tokenize_to_shards(write_chats(tmp_path / "new.jsonl", 20, seed=1), out, "qwen3", docs_per_shard=10)
+    assert _tree(out) == before
+
+
+def test_the_trainer_reads_exactly_the_shards_the_manifest_lists(tmp_path):
+    source, out = write_chats(tmp_path / "chats.jsonl", 40), tmp_path / "out"
+    tokenize_to_shards(source, out, "qwen3", docs_per_shard=10)
+    cfg = DataConfig(name="tokens", path=str(out), seq_len=8, cache_dir=str(tmp_path / "cache"))
+    load = lambda: build_data_loader(cfg, seed=0, local_batch_size=2, dp_rank=0, dp_size=1)  # noqa: E731
+    assert load().num_windows == sum(s["tokens"] for s in json.loads((out / MANIFEST).read_text())["shards"]) // 9
+    shutil.copy(out / "shard_00000.npy", out / "shard_00007.npy")  # a stale shard (before: read with the others)
+    with pytest.raises(ValueError, match=rf"data.path: {out} and its manifest.json disagree: {out / 'shard_00007.npy'} "
+                                         r"not in it \(stale or foreign shards\)"):
+        load()
+    (out / "shard_00007.npy").unlink()
+    (out / "shard_00002.npy").unlink()  # before: trained on the other three
+    with pytest.raises(ValueError, match=rf"{out / 'shard_00002.npy'} listed but missing: .*run "
+                                         r"scripts/pretokenize.py again"):
+        load()
+    tokenize_to_shards(source, out, "qwen3", docs_per_shard=10)  # the fix the line gives
+    assert load().num_windows > 0
 

@@ -9,7 +9,9 @@ identity in a checkpoint and the key of its id range (min, max), scanned once pe
 
 A shard is 1-D ids, or the [2, n] uint32 (ids, trained mask) of ``scripts/pretokenize.py``, whose directory's
 manifest.json names the tokenizer (and so the <|endoftext|> id), must list every shard as finished, and records
-each shard's CRCs (older manifests: its sha256), against which the shard is checked: a damaged one is refused.
+each shard's CRCs (older manifests: its sha256), against which the shard is checked: a damaged one is refused. A
+directory with a manifest is read as exactly the shards it lists: a .npy/.bin file beside them that it does not
+list (stale or foreign), or one it lists that is missing, is refused.
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from core.files import atomic_write_text, record_paths, record_problems
-from training.data.tokenize_shards import MANIFEST, file_sha256
+from training.data.tokenize_shards import MANIFEST, SHARD_SUFFIXES, file_sha256
 
-SHARD_SUFFIXES = (".npy", ".bin")
 BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids
 _STATS_CACHE = "token-shards.json"
 _SCAN_BLOCK = 1 << 24  # ids per block of the one validating pass over a shard
@@ -168,6 +169,15 @@ def pretokenized_by(paths: list[Path], records: dict[Path, dict], key: str) -> s
             raise ValueError(f"{key}: {folder} holds an unfinished tokenization ({done} of {len(shards)} shards in "
                              f"{MANIFEST}); run scripts/pretokenize.py again to finish it")
         written = {s.get("file"): s for s in shards}
+        # exactly the manifest's shards: a stale or foreign file beside them would be read as part of the corpus
+        unlisted = [str(p) for p in paths if p.parent == folder and p.name not in written]
+        missing = [str(folder / name) for name in written if not (folder / name).is_file()]
+        disagree = ([f"{', '.join(unlisted[:3])} not in it (stale or foreign shards)"] if unlisted else []) + \
+            ([f"{', '.join(missing[:3])} listed but missing"] if missing else [])
+        if disagree:
+            raise ValueError(f"{key}: {folder} and its {MANIFEST} disagree: {'; '.join(disagree)}: move the files it "
+                             "does not list out of the directory, and run scripts/pretokenize.py again for missing "
+                             "ones (it redoes them)")
         for path in (p for p in paths if p.parent == folder and p.name in written):
             entry = written[path.name]
             problems = (record_problems(path.name, entry["record"], records[path]) if entry.get("record") else
