@@ -295,6 +295,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     gc_off = ManualGC(cfg.train.gc_every)
 
     def checkpoint(step: int) -> Path:
+        loader.check_data_unchanged()  # the identity it records is what was read
         train_state = {"scheduler": {"last_epoch": scheduler.last_epoch}, "loader": loader.state_dict(),
                        "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch,
                        "tokens_total": tokens_total}
@@ -628,6 +629,7 @@ def log_step(metrics: dict[str, Any], result: StepResult, logs: StepLogs, loader
     if logs.routing:
         metric_logger.log_routing(step, result.routing_LX)
     if logs.metrics:
+        loader.check_data_unchanged()  # a token shard changed under the run stops it by the next logged step
         metrics.update(moe_metrics(result.routing_LX))
         metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
         metric_logger.log(metrics)

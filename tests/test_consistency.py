@@ -7,9 +7,11 @@ case with its test."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,8 @@ import train
 from tests.conftest import TINY_MODEL, compose_config, write_chats, write_tokens
 from training import checkpoint as ckpt
 from training.data.config import DataConfig
-from training.data.loader import build_data_loader
+from training.data.loader import PackedLoader, build_data_loader
+from training.data.token_shards import load_token_stream
 from training.data.tokenize_shards import MANIFEST, tokenize_to_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,26 +123,25 @@ def test_a_loader_position_past_the_data_is_refused(config, run_dir):
 
 
 # ------------------------------------------------------------------------------------- 6. every step skipped
-@pytest.mark.parametrize("steps,stops_at", [(8, 5), (3, 3)])  # 5 in a row; a shorter run: all of its steps
-def test_a_run_that_skips_every_step_stops_naming_the_non_finite_weight(tiny_run_config, tmp_path, steps, stops_at):
-    export = tiny_run_config("train.steps=1", "checkpoint.export_hf_at_end=true",
-                             f"train.output_dir={tmp_path / 'source'}")
-    train.run(export)
+def test_a_run_that_skips_every_step_stops_naming_the_non_finite_weight(tiny_run_config, tmp_path):
+    train.run(tiny_run_config("train.steps=1", "checkpoint.export_hf_at_end=true",
+                              f"train.output_dir={tmp_path / 'source'}"))
     weights = next((tmp_path / "source" / "hf").glob("*.safetensors"))
     tensors = load_file(weights)
     tensors["model.layers.0.post_attention_layernorm.weight"][3] = float("inf")  # the issue's weight holding an Inf
     save_file(tensors, weights, metadata={"format": "pt"})
-    cfg = tiny_run_config(f"train.steps={steps}", f"model.init_from={tmp_path / 'source' / 'hf'}",
-                          "train.nonfinite=skip", "logging.log_every=1")
-    with pytest.raises(FloatingPointError, match=rf"{stops_at} steps in a row skipped \(steps 1 to {stops_at}; "
-                                                 rf"train.nonfinite=skip stops at {stops_at}\): parameter "
-                                                 r"model.layers.0.post_attention_layernorm.weight holds inf;"):
-        train.run(cfg)
-    run_dir = Path(cfg.train.output_dir)
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["finished"] is False and not (run_dir / "model.safetensors").exists()
-    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in logged] == list(range(1, stops_at + 1)) and all(m["skipped"] for m in logged)
+    for steps, stops_at in [(8, 5), (3, 3)]:  # 5 in a row; a shorter run: all of its steps
+        cfg = tiny_run_config(f"train.steps={steps}", f"model.init_from={tmp_path / 'source' / 'hf'}",
+                              "train.nonfinite=skip", "logging.log_every=1", f"train.output_dir={tmp_path}/{steps}")
+        with pytest.raises(FloatingPointError, match=rf"{stops_at} steps in a row skipped \(steps 1 to {stops_at}; "
+                                                     rf"train.nonfinite=skip stops at {stops_at}\): parameter "
+                                                     r"model.layers.0.post_attention_layernorm.weight holds inf;"):
+            train.run(cfg)  # before: every step skipped, exit 0, run.json finished
+        run_dir = Path(cfg.train.output_dir)
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["finished"] is False and not (run_dir / "model.safetensors").exists()
+        logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in logged] == list(range(1, stops_at + 1)) and all(m["skipped"] for m in logged)
 
 
 def test_a_non_finite_gradient_is_named_under_nonfinite_stop(tiny_run_config):
@@ -197,3 +199,56 @@ def test_the_trainer_reads_exactly_the_shards_the_manifest_lists(tmp_path):
     tokenize_to_shards(source, out, "qwen3", docs_per_shard=10)  # the fix the line gives
     assert load().num_windows > 0
 
+
+# ------------------------------------------------------------------------------------- 8. data changed under the run
+def test_a_shard_rewritten_under_the_run_stops_it_by_the_next_logged_step(tiny_run_config, tmp_path, monkeypatch):
+    shard = write_tokens(tmp_path / "shard.npy", 4096)
+    original = tmp_path / "original.npy"
+    shutil.copy(shard, original)
+    reads = []
+
+    def next_then_rewrite(self):
+        batch = real_next(self)
+        reads.append(1)
+        if len(reads) == 3:  # after step 3's batch: the same size and inode, other ids (before: trained on)
+            np.save(shard, np.load(shard)[::-1].copy())
+        return batch
+
+    real_next = PackedLoader.__next__
+    monkeypatch.setattr(PackedLoader, "__next__", next_then_rewrite)
+    cfg = tiny_run_config("train.steps=6", f"data.path={shard}", "checkpoint.interval=1", "checkpoint.keep_last=6")
+    with pytest.raises(ValueError, match=rf"data.path: token shard {shard} changed under the running job \(rewritten: "
+                                         r"modified since the run opened it\); the run stops here"):
+        train.run(cfg)
+    run_dir = Path(cfg.train.output_dir)
+    saved = ckpt.complete_checkpoints(run_dir / "checkpoints")
+    assert [p.name for p in saved] == ["step_00000001", "step_00000002"]  # none after the change
+    read = load_token_stream(str(original), "uint16", str(tmp_path / "cache")).identity
+    assert all(json.loads((p / ckpt.TRAIN_STATE).read_text())["loader"]["data"] == {"shard": read} for p in saved)
+    assert json.loads((run_dir / "run.json").read_text())["finished"] is False
+
+
+def test_a_shard_truncated_under_the_run_is_one_line_not_a_bus_error(tmp_path):
+    shard = write_tokens(tmp_path / "tokens.npy", 1 << 16)
+    run = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY_MODEL, "data=tokens", f"data.path={shard}",
+                            "data.seq_len=32", "train.local_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}",
+                            f"train.output_dir={tmp_path / 'run'}", "logging.tensorboard=false", "train.device=cpu",
+                            "train.steps=100000", "logging.log_every=1"],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        for _ in range(1200):
+            if run.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") >= 2):
+                break
+            time.sleep(0.05)
+        size = shard.stat().st_size
+        os.truncate(shard, 4096)  # in place, under the memory map (before: SIGBUS, exit 135, no line)
+        stderr = run.communicate(timeout=120)[1]
+    finally:
+        run.kill()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert errors == [f"error: ValueError: data.path: token shard {shard} changed under the running job ({size} -> "
+                      "4096 bytes); the run stops here, and its checkpoints hold what it read before: restore the "
+                      "file and continue with train.resume=auto, or train on the new contents with "
+                      "train.resume=auto train.allow_changes=[data]"]

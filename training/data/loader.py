@@ -131,6 +131,14 @@ class PackedLoader:
             return {}
         return {f"data/share/{src.name}": n / self._drawn for src, n in zip(self._sources, self._windows)}
 
+    def check_data_unchanged(self) -> None:
+        """ValueError naming a token shard changed on disk since the run opened it (``ShardFiles``): called before
+        every checkpoint, so none records a data identity that is not what was read. (Other data is read into
+        memory at the start.)"""
+        for src in self._sources:
+            if src.files is not None:
+                src.files.check()
+
     def state_dict(self) -> dict:
         """{"epoch", "position", "data": {source name: identity}}; a mixture adds "sources": {name: {"epoch",
         "position", "windows"}}."""
@@ -241,7 +249,7 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None, model_vocab_size: int
                                  f"re-tokenize with scripts/pretokenize.py --tokenizer {tokenizer}")
             tokenized_by[key] = data.tokenizer
         sources.append(Source(name, data.ids, data.mask if cfg.mask_non_assistant else None, src.weight,
-                              data.identity))
+                              data.identity, data.files))
         vocab_size = max(vocab_size, data.vocab_size)
     if len(set(tokenized_by.values())) > 1:
         raise ValueError(f"data.sources were tokenized with different tokenizers ({tokenized_by}); mix sources of "
