@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import train
@@ -25,6 +26,7 @@ from training.data.config import DataConfig
 from training.data.loader import PackedLoader, build_data_loader
 from training.data.token_shards import load_token_stream
 from training.data.tokenize_shards import MANIFEST, tokenize_to_shards
+from training.optim import first_nonfinite
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,6 +144,22 @@ def test_a_run_that_skips_every_step_stops_naming_the_non_finite_weight(tiny_run
         assert record["finished"] is False and not (run_dir / "model.safetensors").exists()
         logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in logged] == list(range(1, stops_at + 1)) and all(m["skipped"] for m in logged)
+
+
+def test_the_first_non_finite_tensor_is_named_weights_first_then_optimizer_state_then_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    assert first_nonfinite(model, optimizer) is None
+    model[1].bias.grad[0] = float("nan")
+    assert first_nonfinite(model, optimizer) == "gradient of 1.bias holds nan"
+    optimizer.state[model[1].weight]["exp_avg_sq"][0, 0] = float("inf")
+    assert first_nonfinite(model, optimizer) == "optimizer state exp_avg_sq of 1.weight holds inf (and 1 more)"
+    with torch.no_grad():
+        model[1].bias[:] = torch.tensor([float("nan"), float("inf")])
+    assert first_nonfinite(model, optimizer) == "parameter 1.bias holds nan and inf (and 2 more)"
 
 
 def test_a_non_finite_gradient_is_named_under_nonfinite_stop(tiny_run_config):

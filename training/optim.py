@@ -179,28 +179,39 @@ def nonfinite_report(model: nn.Module, optimizer: torch.optim.Optimizer, loss: f
 
 
 def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
-    """``parameter <name> holds inf`` for the first parameter (in the model's order) holding a NaN or Inf, then
-    the first optimizer state, then the first gradient (where gradients are kept); None: all finite. Collective
-    under a process group: a rank holds a shard of each parameter, and every rank names the same one."""
-    named = [(name, p) for name, p in model.named_parameters()]
-    tensors = [(f"parameter {name}", p) for name, p in named]
-    tensors += [(f"optimizer state {key} of {name}", value) for name, p in named
-                for key, value in optimizer.state.get(p, {}).items()
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.ndim]
-    tensors += [(f"gradient of {name}", p.grad) for name, p in named if p.grad is not None]
-    if not tensors:
+    """``parameter <name> holds inf`` for the first parameter (in the model's order) holding a NaN or Inf, else the
+    first one's optimizer state, else its gradient (where gradients are kept); None: all finite. Collective under a
+    process group: a rank holds a shard of each, and every rank names the same one."""
+    named = list(model.named_parameters())
+    if not named:
         return None
-    # per tensor: (holds a NaN, holds an Inf), this rank's shard, then over all ranks
-    flags = torch.stack([torch.stack([_local(t).isnan().any(), _local(t).isinf().any()]) for _, t in tensors])
-    flags = flags.float()
+
+    def flags(tensors: list[torch.Tensor]) -> torch.Tensor:  # (holds a NaN, holds an Inf) of this rank's shards
+        local = [_local(t) for t in tensors]
+        return torch.stack([torch.stack([t.isnan().any() for t in local]).any(),
+                            torch.stack([t.isinf().any() for t in local]).any()]) if local else \
+            torch.zeros(2, dtype=torch.bool, device=_local(named[0][1]).device)
+
+    def states(p: nn.Parameter) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in optimizer.state.get(p, {}).items()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim}
+
+    # [3, P, 2]: weights, optimizer states, gradients; (nan, inf). The same shape on every rank, whatever it holds.
+    found_3P2 = torch.stack([torch.stack([flags([p]) for _, p in named]),
+                             torch.stack([flags(list(states(p).values())) for _, p in named]),
+                             torch.stack([flags([p.grad] if p.grad is not None else []) for _, p in named])]).float()
     if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad = flags.amax(dim=1).nonzero().flatten().tolist()
+        dist.all_reduce(found_3P2, op=dist.ReduceOp.MAX)
+    bad = found_3P2.amax(dim=2).flatten().nonzero().flatten().tolist()
     if not bad:
         return None
-    what, nan_inf = tensors[bad[0]][0], flags[bad[0]].tolist()
-    values = " and ".join(kind for kind, flag in zip(("nan", "inf"), nan_inf) if flag)
-    return f"{what} holds {values}" + (f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else "")
+    kind, i = divmod(bad[0], len(named))
+    name, p = named[i]
+    keys = [k for k, v in states(p).items() if not torch.isfinite(_local(v)).all()]  # this rank's view
+    what = (f"parameter {name}", f"optimizer state {'/'.join(keys) + ' ' if keys else ''}of {name}",
+            f"gradient of {name}")[kind]
+    values = " and ".join(v for v, flag in zip(("nan", "inf"), found_3P2[kind, i].tolist()) if flag)
+    return f"{what} holds {values}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
 
 # Decay shapes: the multiplier's fraction of (1 - min_lr_ratio) left at decay progress p in [0, 1].
