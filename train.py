@@ -49,8 +49,9 @@ from training.launch import needs_torchrun, one_line_errors, relaunch_with_torch
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
                               routing_summary)
+from training.optim import (SkippedSteps, build_optimizer, build_scheduler, clipped_step, nonfinite_report,
+                            queue_step)
 from training.planner import fit_warnings
-from training.optim import build_optimizer, build_scheduler, clipped_step, queue_step
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
 from training.run_dir import (Start, check_apart, check_not_moved, find_start, lock_checkpoint_dir, lock_run_dir,
@@ -205,7 +206,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
     if queued and not finite:
         optimizer.rewind()  # the device did not apply it
     if not finite and cfg.train.nonfinite == "stop":
-        raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
+        raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}: "
+                                 f"{nonfinite_report(model, optimizer, loss, norm)}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
         if not queued:
@@ -307,6 +309,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     gc_off = ManualGC(cfg.train.gc_every)
 
     def checkpoint(step: int) -> Path:
+        loader.check_data_unchanged()  # the identity it records is what was read
         train_state = {"scheduler": {"last_epoch": scheduler.last_epoch}, "loader": loader.state_dict(),
                        "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch,
                        "tokens_total": tokens_total}
@@ -326,6 +329,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     history: list[dict[str, Any]] = []
     steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
     saved_at = first_step - 1 if run_dir.start.checkpoint else None  # the step the newest checkpoint holds
+    skipped = SkippedSteps(cfg.train.steps)  # train.nonfinite=skip: too many in a row stop the run
     start = clock = time.perf_counter()
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
@@ -366,6 +370,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         history.append(metrics)
         log_step(metrics, result, logs, loader, metric_logger, cfg, dims,
                  eta=(time.perf_counter() - start) / done * (len(steps) - done))
+        skipped.count(step, metrics["skipped"], model, optimizer, result.loss, result.grad_norm)
         if stop.requested():
             if dims.simulated:  # one rank of N: nothing a resume could use
                 logger.info("stopping at step %d on %s (a simulated run saves no checkpoint)", step, stop.name)
@@ -580,7 +585,7 @@ def restore(start: Start, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         return 1, 0, 0
     state = start.state
     load_checkpoint(start.checkpoint, model, optimizer, state.get("files"))
-    loader.load_state_dict(state["loader"], allow_changes)
+    loader.load_state_dict(state["loader"], allow_changes, checkpoint=f"checkpoint {start.checkpoint}")
     set_rng_state(state["rng"], dev_type)
     if dims.writer:
         logger.info("resumed from %s at step %d", start.checkpoint, state["step"])
@@ -651,6 +656,7 @@ def log_step(metrics: dict[str, Any], result: StepResult, logs: StepLogs, loader
     if logs.routing:
         metric_logger.log_routing(step, result.routing_LX)
     if logs.metrics:
+        loader.check_data_unchanged()  # a token shard changed under the run stops it by the next logged step
         metrics.update(moe_metrics(result.routing_LX))
         metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
         metric_logger.log(metrics)
