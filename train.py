@@ -38,8 +38,8 @@ from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
                                  save_sizes, set_rng_state, space_warnings)
-from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, register_schema,
-                             schema_defaults, to_train_config, validate)
+from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, input_paths,
+                             register_schema, schema_defaults, to_train_config, validate)
 from training.data.hf_tokenizer import check_export_requirements, hf_tokenizer_files, run_tokenizer
 from training.data.loader import build_data_loader
 from training.data.packing import context_shard
@@ -48,10 +48,13 @@ from training.launch import needs_torchrun, one_line_errors, relaunch_with_torch
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
                               routing_summary)
-from training.optim import build_optimizer, build_scheduler, clipped_step, queue_step
+from training.optim import (SkippedSteps, build_optimizer, build_scheduler, clipped_step, nonfinite_report,
+                            queue_step)
+from training.planner import fit_warnings
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
-from training.run_dir import Start, check_not_moved, find_start, lock_run_dir, new_record, write_record
+from training.run_dir import (Start, check_apart, check_not_moved, find_start, lock_checkpoint_dir, lock_run_dir,
+                              new_record, outside, write_record)
 from training.run_logs import run_logs
 
 logger = logging.getLogger("train")
@@ -76,12 +79,12 @@ def on_rank0(dims: parallelisms.ParallelDims, decide: Callable[[], Any]) -> Any:
     """``decide()`` on rank 0, its result (or its error) on every rank: one decision about the run directory, taken
     before rank 0 writes into it (a lagging rank would otherwise see rank 0's new files, or its own Hydra clock)."""
     box: list[Any] = [None]
-    if dims.rank == 0:
+    if dims.writer:
         try:
             box = [(True, decide())]
         except Exception as e:  # every rank raises it
             box = [(False, e)]
-    if dims.world_size > 1:
+    if dims.world_size > 1 and not dims.simulated:
         dist.broadcast_object_list(box, src=0)
     ok, value = box[0]
     if not ok:
@@ -133,7 +136,11 @@ def startup_summary(cfg: TrainConfig, param_counts: tuple[int, int], dims: paral
               + (f"; dispatcher {cfg.dispatcher.name}" if dims.ep > 1 else "")
               + f"; activation checkpoint {p.activation_checkpoint}")
     fast = [f"{c.op}={c.impl}" for c in kernels.choices.values() if c.impl != "torch"]
-    return [
+    simulated = ([f"SIMULATION: this process is rank {dims.rank} of a {dims.world_size}-rank job whose every peer is "
+                  "a copy of it (loopback collectives, parallelisms/loopback.py): its shards, collectives' sizes and "
+                  "compute are the real rank's under balanced routing; it writes no checkpoint or weights"]
+                 if dims.simulated else [])
+    return simulated + [
         f"model {cfg.model.name} ({cfg.model.model_type}): {_count(total)} parameters, {_count(active)} active per token",
 
         f"layout: {layout}",
@@ -198,7 +205,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
     if queued and not finite:
         optimizer.rewind()  # the device did not apply it
     if not finite and cfg.train.nonfinite == "stop":
-        raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}; stopping (train.nonfinite=stop; "
+        raise FloatingPointError(f"non-finite loss={loss} or grad_norm={norm}: "
+                                 f"{nonfinite_report(model, optimizer, loss, norm)}; stopping (train.nonfinite=stop; "
                                  "train.nonfinite=skip would skip such steps)")
     if update and finite:
         if not queued:
@@ -217,6 +225,7 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
     before torchrun starts any child, so an impossible layout is one short error. ``resumed``: the config of the
     checkpoint being resumed."""
     validate(cfg)
+    check_outputs_apart(cfg, run_path(cfg))
     cfg = as_resumed(cfg, resumed)
     spec, model_args = resolve_model(cfg)
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
@@ -228,6 +237,12 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
     return spec, model_args, tokenizer
+
+
+def check_outputs_apart(cfg: TrainConfig | DictConfig, run_dir: Path) -> None:
+    """The run directory and checkpoint.dir apart from the inputs (``training.run_dir.check_apart``)."""
+    outputs = {"train.output_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir}
+    check_apart({key: Path(path) for key, path in outputs.items() if path}, input_paths(cfg))
 
 
 def check_balanced_routing(args: Any, cp: int, seq_len: int) -> None:
@@ -287,23 +302,26 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
                               enabled=mixed_bf16(cfg, dev_type) and cfg.parallel.backend.name == "ddp")
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
     stop = StopSignal(dims, dev)
-    profiler = StepProfiler(run_dir.path, cfg.logging.profile_step, cfg.logging.profile_steps, dims.rank, dev_type,
+    profiler = StepProfiler(run_dir.path, cfg.logging.profile_step, cfg.logging.profile_steps,
+                           0 if dims.writer else dims.rank, dev_type,
                            cfg.logging.profile_host)
     gc_off = ManualGC(cfg.train.gc_every)
 
     def checkpoint(step: int) -> Path:
+        loader.check_data_unchanged()  # the identity it records is what was read
         train_state = {"scheduler": {"last_epoch": scheduler.last_epoch}, "loader": loader.state_dict(),
                        "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch,
                        "tokens_total": tokens_total}
         path = save_checkpoint(run_dir.ckpt_root, step, model, optimizer, train_state, cfg.checkpoint.keep_last,
-                               dims.rank == 0)
-        run_dir.saved(step, path, dims.rank == 0)
+                               dims.writer)
+        run_dir.saved(step, path, dims.writer)
         return path
 
-    if dims.rank == 0:
+    if dims.writer:
         for line in startup_summary(resolved, param_counts, dims, global_batch, kernels, run_dir.path):
             logger.info(line)
-        for line in config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root)):
+        for line in (config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root))
+                     + fit_warnings(resolved, dims.world_size, device.capacity_gib(dev_type))):
             logger.warning(line)
         for line in loader.passes(cfg.train.steps):  # a warning where the run repeats its data
             (logger.warning if " times over: " in line else logger.info)("data: %s", line)
@@ -312,6 +330,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     history: list[dict[str, Any]] = []
     steps = range(first_step, cfg.train.steps + 1) if cfg.train.steps > 0 else [0]  # step 0: measure only
     saved_at = first_step - 1 if run_dir.start.checkpoint else None  # the step the newest checkpoint holds
+    skipped = SkippedSteps(cfg.train.steps)  # train.nonfinite=skip: too many in a row stop the run
     start = clock = time.perf_counter()
     for done, step in enumerate(steps, start=1):
         device.reset_peak_memory(dev_type)
@@ -352,7 +371,11 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         history.append(metrics)
         log_step(metrics, result, logs, loader, metric_logger, cfg, dims,
                  eta=(time.perf_counter() - start) / done * (len(steps) - done))
+        skipped.count(step, metrics["skipped"], model, optimizer, result.loss, result.grad_norm)
         if stop.requested():
+            if dims.simulated:  # one rank of N: nothing a resume could use
+                logger.info("stopping at step %d on %s (a simulated run saves no checkpoint)", step, stop.name)
+                break
             stop.path = checkpoint(step)
             logger.info("stopping at step %d on %s after saving a checkpoint", step, stop.name)
             break
@@ -369,7 +392,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     stop.restore()
     gc_off.restore()
     metric_logger.close()
-    if dims.rank == 0:
+    if dims.writer:
         logger.info("done: %d of %d steps (%d in this process, %s), %s tokens in all; run directory: %s",
                     history[-1]["step"] if history else first_step - 1, cfg.train.steps, len(history),
                     datetime.timedelta(seconds=round(time.perf_counter() - start)), f"{tokens_total:,}", run_dir.path)
@@ -379,10 +402,15 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
 
 # ------------------------------------------------------------------------------------------ set-up steps
 def start_processes(cfg: TrainConfig, dev_type: str) -> tuple[parallelisms.ParallelDims, torch.device]:
-    """The process group (under torchrun), the layout's meshes and this rank's device."""
+    """The process group (under torchrun, or the loopback world of launch.simulate_world), the layout's meshes and
+    this rank's device."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if cfg.launch.simulate_world:
+        world_size, rank = cfg.launch.simulate_world, cfg.launch.simulate_rank
+        parallelisms.init_loopback_world(world_size, rank, dev_type)
     parallelisms.init_distributed(dev_type, cfg.parallel)
-    dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
+    dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type,
+                                            simulated=cfg.launch.simulate_world > 0)
     return dims, device.local_device(dev_type)
 
 
@@ -429,11 +457,15 @@ def open_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims, run_scope: c
     def choose() -> tuple[str, Start]:
         path = run_path(cfg)
         run_scope.enter_context(lock_run_dir(path))  # held until the run ends; the OS releases it if we die
+        if outside(checkpoint_root(cfg, path), path):  # a checkpoint.dir of its own: held the same way
+            run_scope.enter_context(lock_checkpoint_dir(checkpoint_root(cfg, path), path))
         return str(path), find_run_start(cfg)
 
     path, start = on_rank0(dims, choose)
     run_dir = RunDir(Path(path), checkpoint_root(cfg, Path(path)), start)
-    run_scope.enter_context(run_logs(run_dir.path, dims.rank, cfg.logging.all_ranks))
+    if dims.simulated:  # the run directory says what it holds: one simulated rank's log and metrics
+        run_dir.record.simulated = f"rank {dims.rank} of {dims.world_size}"
+    run_scope.enter_context(run_logs(run_dir.path, 0 if dims.writer else dims.rank, cfg.logging.all_ranks))
     return run_dir
 
 
@@ -488,7 +520,7 @@ def continues(run_dir: RunDir, run_config: dict[str, Any], global_batch: int, cf
     source = start.checkpoint or run_dir.path / "config.yaml"
     if start.state is not None or start.previous_config is not None:
         check_resumed_config(start.state or {"config": start.previous_config}, run_config, global_batch,
-                             cfg.train.allow_changes, source, dims.rank == 0)
+                             cfg.train.allow_changes, source, dims.writer)
     done = start.state["step"] if start.state is not None else 0
     finished = start.record is not None and start.record.finished
     if finished and start.state is None and cfg.train.steps > start.record.step:
@@ -499,13 +531,13 @@ def continues(run_dir: RunDir, run_config: dict[str, Any], global_batch: int, cf
                              "(model.init_from can take an export of its weights)")
         # else a train.steps=0 run, which trained nothing: starting it again from step 1 is continuing it exactly
     elif finished and (start.state is None or done >= cfg.train.steps):
-        if dims.rank == 0:
+        if dims.writer:
             logger.info("run %s is finished (step %d of train.steps=%d; its checkpoints: %s): nothing to do. To "
                         "train on, raise train.steps with train.allow_changes=[train.steps], or start afresh in "
                         "another train.output_dir", run_dir.path, start.record.step, cfg.train.steps,
                         run_dir.start.checkpoint or "none")
         return False
-    if start.state is None and start.previous_config is not None and dims.rank == 0:
+    if start.state is None and start.previous_config is not None and dims.writer:
         logger.info("train.resume=auto: the run in %s wrote no checkpoint (under %s); its config matches, "
                     "starting it again from step 1", run_dir.path, run_dir.ckpt_root)
     return True
@@ -540,7 +572,7 @@ def build_model(cfg: TrainConfig, spec: models.ModelSpec, model_args: Any, dims:
     model.train()
     kernels = select_kernels(cfg.kernel_config, dev_type)  # a missing requested package fails here, on every rank
     slots = apply_kernels(model, kernels)
-    if dims.rank == 0:
+    if dims.writer:
         kernels.log(logger)
         delta_rule = kernels.choices["chunk_gated_delta_rule"]
         if dev_type == "cuda" and slots.get("chunk_gated_delta_rule") and delta_rule.impl == "torch":
@@ -568,9 +600,9 @@ def restore(start: Start, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         return 1, 0, 0
     state = start.state
     load_checkpoint(start.checkpoint, model, optimizer, state.get("files"))
-    loader.load_state_dict(state["loader"], allow_changes)
+    loader.load_state_dict(state["loader"], allow_changes, checkpoint=f"checkpoint {start.checkpoint}")
     set_rng_state(state["rng"], dev_type)
-    if dims.rank == 0:
+    if dims.writer:
         logger.info("resumed from %s at step %d", start.checkpoint, state["step"])
     # tokens_total is recorded since issue 21: older checkpoints trained every step at this batch
     tokens_total = state.get("tokens_total", state["step"] * tokens_per_step)
@@ -581,10 +613,10 @@ def begin(run_dir: RunDir, run_config: dict[str, Any], cfg: TrainConfig, dims: p
           first_step: int) -> MetricLogger:
     """Only now, with the resume known good, is anything of the run directory rewritten: config.yaml, the
     record (and what train.discard_newer discards), the metric sinks."""
-    if dims.rank == 0:
+    if dims.writer:
         atomic_write_text(run_dir.path / "config.yaml", rerunnable_config(run_config))
-    run_dir.begin(first_step - 1, dims.rank == 0)
-    return MetricLogger(run_dir.path, cfg.logging, enabled=dims.rank == 0,
+    run_dir.begin(first_step - 1, dims.writer)
+    return MetricLogger(run_dir.path, cfg.logging, enabled=dims.writer,
                         keep_until=first_step - 1 if run_dir.start.checkpoint else None, run_config=run_config)
 
 
@@ -598,7 +630,7 @@ class Rates(NamedTuple):
 
 def step_metrics(step: int, result: StepResult, lr: float, rates: Rates, attended: float, tokens_total: int,
                  step_time: float, data_time: float, dev_type: str) -> dict[str, Any]:
-    """``attended``: FLOPs per token over the attention pairs the step's windows computed (docs/benchmarks.md)."""
+    """``attended``: FLOPs per token over the attention pairs the step's windows computed (docs/lab/benchmarks.md)."""
     tokens = rates.tokens_per_step
     per_device = tokens / step_time / rates.world_size
     return {
@@ -633,16 +665,17 @@ def log_step(metrics: dict[str, Any], result: StepResult, logs: StepLogs, loader
              cfg: TrainConfig, dims: parallelisms.ParallelDims, eta: float) -> None:
     """The step's metric line, its routing record (as ``logs`` says) and, for a skipped step, a warning."""
     step = metrics["step"]
-    if metrics["skipped"] and dims.rank == 0:
+    if metrics["skipped"] and dims.writer:
         logger.warning("step %d skipped: loss=%s, grad_norm=%s: not finite, no update (train.nonfinite=skip)",
                        step, result.loss, result.grad_norm)
     if logs.routing:
         metric_logger.log_routing(step, result.routing_LX)
     if logs.metrics:
+        loader.check_data_unchanged()  # a token shard changed under the run stops it by the next logged step
         metrics.update(moe_metrics(result.routing_LX))
         metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
         metric_logger.log(metrics)
-        if dims.rank == 0:
+        if dims.writer:
             logger.info(progress_line(metrics, cfg.train.steps, eta))
 
 
@@ -656,14 +689,14 @@ def finish(run_dir: RunDir, model: torch.nn.Module, spec: models.ModelSpec, toke
         if saved_at != last_step and cfg.checkpoint.at_end and last_step > 0:
             kept = checkpoint(last_step)
         try:
-            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.rank == 0, step=last_step)
+            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.writer, step=last_step)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; " + (f"the trained state is in checkpoint {kept}: make room and run again "
                                               "with train.resume=auto to write the weights" if kept else
                                               "no checkpoint holds the last step (checkpoint.at_end=false)")) from e
     if cfg.checkpoint.export_hf_at_end:
         export_hf(model, spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(tokenizer))
-    run_dir.finished(last_step, dims.rank == 0)
+    run_dir.finished(last_step, dims.writer)
 
 
 class ManualGC:
@@ -789,15 +822,18 @@ def relaunch(cfg: TrainConfig) -> None:
                            checkpoints=checkpoint_root(cfg, run_dir))
 
 
-def hydra_run_dir_of(output_dir: str | None, default: str) -> str:
+def hydra_run_dir_of(output_dir: str | None, default: str, _root_: DictConfig | None = None) -> str:
     """conf/config.yaml's Hydra run (and sweep) directory: train.output_dir when set, else ``default``. Checked
-    here, before Hydra makes it (one line, not Hydra's traceback): a file there, and a run's config.yaml re-run
-    from a directory its train.output_dir no longer names (it would start a run at the old place)."""
+    here, before Hydra makes it and its log file (one line, not Hydra's traceback): a file there, a directory over
+    an input (``_root_``: the whole config), and a run's config.yaml re-run from a directory its train.output_dir no
+    longer names (it would start a run at the old place)."""
     from hydra.core.hydra_config import HydraConfig
 
     with one_line_errors():
         if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
             raise ValueError(f"train.output_dir={output_dir} is a file, not a directory; name a directory")
+        if output_dir is not None and _root_ is not None:
+            check_outputs_apart(_root_, Path(output_dir))
         if HydraConfig.initialized():
             hydra_cfg = HydraConfig.get()
             given = any(o.lstrip("+~").split("=")[0] == "train.output_dir" for o in hydra_cfg.overrides.task)

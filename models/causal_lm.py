@@ -130,8 +130,20 @@ class MoeCausalLM(nn.Module):
         self.args = args
         self.model = self.decoder_cls(args)
         self.lm_head = LMHead(args.hidden_size, args.vocab_size)
-        if args.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """``args.tie_word_embeddings``: the LM head's weight is the embedding's parameter (one tensor, one
+        gradient, one optimizer state)."""
+        if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> MoeCausalLM:
+        """``nn.Module.to_empty``, tie kept: it gives each module's parameter a new tensor of its own, so the head and
+        the embedding would train apart (and the tied export and final weights would drop the head's)."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels_BT: torch.Tensor | None = None, packed: bool | KnownDocuments | None = None,

@@ -93,7 +93,9 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
     experts = [block.get_submodule(spec.experts) for block in blocks]
     embeddings = model.get_submodule(spec.embeddings)
     final = [model.get_submodule(name) for name in spec.final]
-    _check_untied(embeddings, final)
+    # A tied LM head is the embedding's parameter: one unit holds both (a parameter belongs to one unit), gathered
+    # from the embedding's forward through the head's backward.
+    tied = bool({id(p) for p in embeddings.parameters()} & {id(p) for m in final for p in m.parameters()})
     fsdp_kwargs = dict(mp_policy=mp_policy, reshard_after_forward=backend.reshard_after_forward)
 
     if dims.ep > 1:  # a dispatcher's limits (mc2's) fail now, naming the fix, not deep inside its first op
@@ -106,12 +108,17 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
     bare = {p for e in experts if not isinstance(e, FSDPModule) for p in e.parameters()}
     outer = dict(mesh=dims.mesh("fsdp"), ignored_params=_ignored_params(model, backend.fsdp_ignored_modules) | bare,
                  **fsdp_kwargs)
-    fully_shard(embeddings, **outer)
-    for block in blocks:
-        fully_shard(block, **outer)
     # The final norm and LM head run last in forward and first in backward: resharding them in between
     # would only all-gather them again at once.
-    fully_shard(final, **{**outer, "reshard_after_forward": False})
+    last = {**outer, "reshard_after_forward": False}
+    if tied:
+        fully_shard([embeddings, *final], **last)
+    else:
+        fully_shard(embeddings, **outer)
+    for block in blocks:
+        fully_shard(block, **outer)
+    if not tied:
+        fully_shard(final, **last)
     # 4. Root: whatever no unit holds, and the one place FSDP coordinates the lazy init and streams from.
     fully_shard(model, **outer)
 
@@ -120,7 +127,8 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
     # all-gather of the next one, a MoE block's together with its experts (if FSDP holds them); backward is the
     # mirror image.
     units: list[list[FSDPModule]] = [[embeddings], *([b, e] if isinstance(e, FSDPModule) else [b]
-                                                     for b, e in zip(blocks, experts)), [final[0]]]
+                                                     for b, e in zip(blocks, experts)),
+                                [embeddings if tied else final[0]]]
     for unit, after in zip(units, units[1:]):
         unit[0].set_modules_to_forward_prefetch(after)
     for unit, before in zip(units[::-1], units[::-1][1:]):
@@ -172,13 +180,6 @@ def expert_fsdp_is_one_rank(dims: ParallelDims) -> bool:
     """Whether the expert FSDP mesh (edp x efsdp x expert_cp) has one rank, as when EP spans the world: then
     ``shard_experts`` leaves the experts out of FSDP."""
     return dims.ep > 1 and dims.edp * dims.efsdp * dims.cp == 1
-
-
-def _check_untied(embeddings: nn.Module, final: list[nn.Module]) -> None:
-    shared = {id(p) for p in embeddings.parameters()} & {id(p) for m in final for p in m.parameters()}
-    if shared:
-        raise NotImplementedError("tied input/output embeddings under parallel.backend.name=fsdp2: the shared "
-                                  "weight would belong to two FSDP units; use untied weights or backend ddp")
 
 
 def _check_even(experts: nn.Module, dim: int, efsdp: int) -> None:

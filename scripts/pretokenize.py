@@ -9,9 +9,10 @@ them, or a save_to_disk directory; --column picks the text or messages column; n
 ``OUT_DIR/shard_00000.npy``, ... ([2, n] uint32: token ids, trained mask) and ``OUT_DIR/manifest.json`` (source
 sha256, reader, tokenizer, per shard its range, documents, tokens, trained tokens, sha256 and record: size and block
 CRCs, checked when training reads the shard; totals). Re-running the same command after an interruption redoes only
-the shards that are missing or do not match the manifest. A progress line on stderr shows shards, tokens, tokens/s
-and the ETA. Train on the result with data=tokens data.path=OUT_DIR
-(data.mask_non_assistant=true trains only assistant turns). See ``training.data.tokenize_shards``.
+the shards that are missing or do not match the manifest. OUT_DIR must hold no .npy/.bin file that its manifest does
+not plan (a foreign or stale shard is refused, never overwritten); training reads exactly the manifest's shards. A
+progress line on stderr shows shards, tokens, tokens/s and the ETA. Train on the result with data=tokens
+data.path=OUT_DIR (data.mask_non_assistant=true trains only assistant turns). See ``training.data.tokenize_shards``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -17,6 +17,8 @@ from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, ex
                           resolve_sizes)
 from tests.conftest import compose_config
 from tests.dist_utils import debug_model_args, fsdp_param_groups
+
+pytestmark = pytest.mark.torch_apis  # DeviceMesh, FSDP2 and DTensor placements
 
 SPEC = models.get_spec("qwen3_moe")
 
@@ -228,10 +230,17 @@ def test_ignored_modules_must_be_frozen_and_must_exist(fake_world):
         _parallelized(_cfg(fsdp_ignored_modules=["model.layerz.*"]), 16, 0)
 
 
+def test_plan_shards_a_tied_head_with_its_embedding(fake_world):
+    """The tied head and the embedding are one FSDP unit (a parameter of two units would be sharded twice)."""
+    fake_world(16, rank=0)
+    model, _ = _parallelized(_cfg(), 16, 0, tie_word_embeddings=True)
+    model.to_empty(device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert fully_shard.state(model.lm_head) is fully_shard.state(model.model.embed_tokens)
+
+
 def test_plan_rejects_what_fsdp2_cannot_shard(fake_world):
     fake_world(16, rank=0)
-    with pytest.raises(NotImplementedError, match="tied input/output embeddings"):
-        _parallelized(_cfg(), 16, 0, tie_word_embeddings=True)
     # 16 ranks, 8 experts: dim 1 is sharded 16 ways, and down_proj's dim 1 (hidden 40) does not divide.
     with pytest.raises(ValueError, match=r"experts.down_proj \(8, 40, 32\): efsdp=16 .* dim 1"):
         _parallelized(_cfg(), 16, 0, hidden_size=40)

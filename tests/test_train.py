@@ -243,8 +243,9 @@ def test_activation_checkpointing_from_the_first_forward_of_a_fresh_process(tmp_
     data = write_tokens(tmp_path / "t.npy", 2000)
     out = subprocess.run(
         [sys.executable, "train.py", f"model={model}", "model.arch.vocab_size=256", "data=tokens", f"data.path={data}",
-         "data.seq_len=32", "train.steps=2", f"parallel.activation_checkpoint={mode}", f"train.output_dir={tmp_path}",
-         f"data.cache_dir={tmp_path}", "logging.tensorboard=false"], cwd=REPO, capture_output=True, text=True, timeout=300)
+         "data.seq_len=32", "train.steps=2", f"parallel.activation_checkpoint={mode}",
+         f"train.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.tensorboard=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

@@ -196,7 +196,50 @@ def read_train_state(path: Path) -> dict[str, Any]:
     if wrong:
         raise CheckpointError(damaged_message(path, f"{file.name} lacks a valid {', '.join(wrong)} (it needs "
                                                     f"{', '.join(_TRAIN_STATE_FIELDS)})"))
+    _check_step(path, state)
+    step, updates = state["step"], state["scheduler"]["last_epoch"]
+    if not 0 <= updates <= step:  # an update per step at most; a negative position runs the schedule backwards
+        raise CheckpointError(damaged_message(path, f"{file.name} records {updates} optimizer updates "
+                                                    f"(scheduler.last_epoch) by step {step}, and a run takes 0 to "
+                                                    "one per step (a negative count would give a negative learning "
+                                                    "rate: gradient ascent)"))
+    loader = state["loader"]
+    if loader["epoch"] < 0 or loader["position"] < 0:
+        raise CheckpointError(damaged_message(path, f"{file.name} records the data loader at epoch "
+                                                    f"{loader['epoch']}, position {loader['position']}; neither can "
+                                                    "be negative"))
     return state
+
+
+def written_step(path: Path, record: dict[str, dict[str, Any]] | None) -> int | None:
+    """The step checkpoint ``path`` was saved as: DCP's metadata names the directory its files were written to
+    (``.tmp-step_<N>``, renamed into place after), and the file record vouches for the metadata. None where it
+    cannot tell (no record, or a torch that records no checkpoint id)."""
+    if not record or ".metadata" not in record:
+        return None
+    problems = _file_problems(path, ".metadata", record[".metadata"])
+    if problems:
+        raise CheckpointError(damaged_message(path, "; ".join(problems)))
+    storage = getattr(_SafeReader(str(path)).read_metadata(), "storage_meta", None)
+    written = getattr(storage, "checkpoint_id", None)
+    return step_of(Path(Path(str(written)).name.removeprefix(".tmp-"))) if written else None
+
+
+def _check_step(path: Path, state: dict[str, Any]) -> None:
+    """The folder's name, train_state.json's step and the step the files were written as (``written_step``) must
+    agree: a renamed folder would be resumed as another step (and newer checkpoints pruned), an edited step would
+    run the schedule and the data from the wrong place."""
+    step, named, written = state["step"], step_of(path), written_step(path, state.get("files"))
+    if {step, named, written} - {None} == {step} and step >= 0:
+        return
+    said = [f"its folder name says step {named}" if named is not None else None, f"its {TRAIN_STATE} step {step}",
+            f"its files were written as step_{written:08d}" if written is not None else None]
+    why = ", ".join(s for s in said if s) + ": renamed or edited after it was saved"
+    home = path.parent / f"step_{written:08d}" if written is not None else None
+    if written == step and home != path and not home.exists():
+        raise CheckpointError(f"checkpoint {path} disagrees with itself: {why}; rename it back (mv {path} {home}) "
+                              "and run again")
+    raise CheckpointError(damaged_message(path, why))
 
 
 def _lookup(tree: Any, dotted: str) -> Any:
@@ -298,7 +341,7 @@ def save_sizes(model: nn.Module, moment_dtype: torch.dtype) -> tuple[int, int]:
 def space_warnings(needs: dict[Path, int]) -> list[str]:
     """One line per file system that has less free space than ``needs`` (path -> bytes to be written under it)
     add up to there: a run that would train for hours and then fail at its save (a checkpoint of a 4-layer
-    Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/benchmarks.md)."""
+    Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/lab/benchmarks.md)."""
     totals: dict[int, list] = {}  # file system -> [a folder on it, bytes]
     for path, size in needs.items():
         where = nearest_existing(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -19,9 +20,9 @@ from parallelisms.dispatchers.base import validate_dispatcher_config
 from parallelisms.dispatchers.config import DispatcherConfig
 from parallelisms.float8 import FLOAT8_MODES
 from training.checkpoint import CheckpointConfig
-from training.data.config import DataConfig, validate_data_config
+from training.data.config import DataConfig, glob_root, token_paths, validate_data_config
 from training.data.hf_tokenizer import CHOICES as TOKENIZER_CHOICES
-from training.launch import LaunchConfig
+from training.launch import LaunchConfig, simulation_errors
 
 
 @dataclass
@@ -180,6 +181,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: off)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     _check(cfg.launch.nproc_per_node >= 1, f"launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
+    _check(cfg.launch.simulate_world >= 0, f"launch.simulate_world={cfg.launch.simulate_world} must be >= 0 (0: off)")
+    writes = {key: off for key, on, off in (
+        ("train.save_final", t.save_final, "false"), ("checkpoint.interval", cfg.checkpoint.interval > 0, "0"),
+        ("checkpoint.export_hf_at_end", cfg.checkpoint.export_hf_at_end, "false"),
+        ("train.resume", t.resume != "none", "none")) if on}
+    for error in simulation_errors(cfg.launch, writes, cfg.dispatcher.name):
+        raise ValueError(error)
     _check(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(o.grad_clip == o.grad_clip, f"optim.grad_clip={o.grad_clip} must be a number: the largest gradient norm "
@@ -211,6 +219,15 @@ def validate(cfg: TrainConfig) -> None:
 
 STATE_DTYPES = ("float32", "bfloat16")  # optim.state_dtype
 BF16_MIN_STEP = 2**-8  # the largest relative half ulp of bf16: a moment moving by less rounds back where it was
+
+
+def input_paths(cfg: TrainConfig | DictConfig) -> list[tuple[str, Path]]:
+    """(key, path) of each input a fresh start reads from the file system: model.init_from and the data's files
+    (a glob: the directory it searches; a data.path that is no path, as a hub dataset's name, is left out).
+    ``cfg``: the TrainConfig, or the composed config where Hydra resolves its run directory."""
+    paths = [("model.init_from", cfg.model.init_from)] if cfg.model.init_from else []
+    paths += [(key, str(glob_root(path))) for key, path in token_paths(cfg.data) if path]
+    return [(key, Path(path)) for key, path in paths if Path(path).exists()]
 
 
 def _check_state_dtype(o: OptimConfig) -> None:
@@ -252,7 +269,7 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-# What train.compile measured (docs/benchmarks.md): said at start-up so nobody waits on a compile for nothing.
+# What train.compile measured (docs/results.md): said at start-up so nobody waits on a compile for nothing.
 COMPILE_VERDICT = ("train.compile=true: measured no faster than eager on one H200 (torch 2.11, 4-layer Qwen3-30B-A3B, "
                    "4 x 4,096 tokens: 99,627 vs 102,034 tokens/s; 235B shapes, 1 layer: 80,348 vs 80,585): the "
                    "blocks compile around their eager experts, and the eager path's kernels are already fused; "

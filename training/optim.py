@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -35,7 +36,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 def adamw_kind(cfg: OptimConfig, device_type: str) -> str:
     """Which AdamW: ``project`` (``AdamW`` below: bf16 moments, and fp32 ones on CUDA unless ``optim.fused`` is
     set, where one Triton pass per parameter also applies the clip: no pass over the gradients, measured in
-    docs/benchmarks.md), ``torch_fused`` (``optim.fused=true``) or ``torch_foreach`` (``optim.fused=false``, and
+    docs/lab/benchmarks.md), ``torch_fused`` (``optim.fused=true``) or ``torch_foreach`` (``optim.fused=false``, and
     elsewhere by default: the reference's several passes are slower than foreach's on a CPU)."""
     if cfg.state_dtype == "bfloat16" or (cfg.fused is None and device_type == "cuda"):
         return "project"
@@ -134,6 +135,83 @@ def queue_step(optimizer: torch.optim.Optimizer, max_norm: float, norm: torch.Te
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard (a view: in-place updates reach the DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+# train.nonfinite=skip stops at this many skipped steps in a row (a run of fewer steps: when all of them are). A
+# skipped step changes neither the weights nor the optimizer state, so a step that fails because of them (a weight
+# holding an Inf, moments overflowed by a huge update) fails again at every later step, whatever the data: a run
+# would skip to its end and be recorded as finished. A bad batch or two in a row is what skipping is for; five is past
+# that, and costs five steps' time.
+MAX_SKIPPED_IN_A_ROW = 5
+
+
+class SkippedSteps:
+    """Counts train.nonfinite=skip's skipped steps in a row; past the bound (``MAX_SKIPPED_IN_A_ROW``) the run
+    stops, naming the first non-finite tensor (``first_nonfinite``) or the loss."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.limit = max(1, min(MAX_SKIPPED_IN_A_ROW, total_steps))
+        self.in_a_row = 0
+
+    def count(self, step: int, skipped: bool, model: nn.Module, optimizer: torch.optim.Optimizer, loss: float,
+              grad_norm: float) -> None:
+        """After each step (collective when the bound is reached: every rank skips the same steps)."""
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if self.in_a_row < self.limit:
+            return
+        raise FloatingPointError(f"{self.in_a_row} steps in a row skipped (steps {step - self.in_a_row + 1} to "
+                                 f"{step}; train.nonfinite=skip stops at {self.limit}): "
+                                 f"{nonfinite_report(model, optimizer, loss, grad_norm)}; a skipped step changes "
+                                 "nothing, so every later step would be skipped too. Resume from a checkpoint before "
+                                 "the first skipped step (train.resume=<it> train.discard_newer=true), with a lower "
+                                 "optim.lr or optim.grad_clip")
+
+
+def nonfinite_report(model: nn.Module, optimizer: torch.optim.Optimizer, loss: float, grad_norm: float) -> str:
+    """What is non-finite, the first of: a weight, an optimizer state, a gradient (by name; collective), else the
+    loss or the gradient norm."""
+    found = first_nonfinite(model, optimizer)
+    if found is not None:
+        return found
+    if not math.isfinite(loss):
+        return f"the loss is {loss} with every weight, optimizer state and gradient finite (the data or the forward)"
+    return f"the gradient norm is {grad_norm} with every weight and the loss finite (an overflow in backward)"
+
+
+def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """``parameter <name> holds inf`` for the first parameter (in the model's order) holding a NaN or Inf, else the
+    first one's optimizer state, else its gradient (where gradients are kept); None: all finite. Collective under a
+    process group: a rank holds a shard of each, and every rank names the same one."""
+    named = list(model.named_parameters())
+    if not named:
+        return None
+
+    def flags(tensors: list[torch.Tensor]) -> torch.Tensor:  # (holds a NaN, holds an Inf) of this rank's shards
+        local = [_local(t) for t in tensors]
+        return torch.stack([torch.stack([t.isnan().any() for t in local]).any(),
+                            torch.stack([t.isinf().any() for t in local]).any()]) if local else \
+            torch.zeros(2, dtype=torch.bool, device=_local(named[0][1]).device)
+
+    def states(p: nn.Parameter) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in optimizer.state.get(p, {}).items()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim}
+
+    # [3, P, 2]: weights, optimizer states, gradients; (nan, inf). The same shape on every rank, whatever it holds.
+    found_3P2 = torch.stack([torch.stack([flags([p]) for _, p in named]),
+                             torch.stack([flags(list(states(p).values())) for _, p in named]),
+                             torch.stack([flags([p.grad] if p.grad is not None else []) for _, p in named])]).float()
+    if dist.is_initialized():
+        dist.all_reduce(found_3P2, op=dist.ReduceOp.MAX)
+    bad = found_3P2.amax(dim=2).flatten().nonzero().flatten().tolist()
+    if not bad:
+        return None
+    kind, i = divmod(bad[0], len(named))
+    name, p = named[i]
+    keys = [k for k, v in states(p).items() if not torch.isfinite(_local(v)).all()]  # this rank's view
+    what = (f"parameter {name}", f"optimizer state {'/'.join(keys) + ' ' if keys else ''}of {name}",
+            f"gradient of {name}")[kind]
+    values = " and ".join(v for v, flag in zip(("nan", "inf"), found_3P2[kind, i].tolist()) if flag)
+    return f"{what} holds {values}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
 
 # Decay shapes: the multiplier's fraction of (1 - min_lr_ratio) left at decay progress p in [0, 1].

@@ -3,12 +3,15 @@ checkpoints are, how far it got, whether it finished), and a start in it continu
 
 - ``lock_run_dir``: an exclusive ``fcntl.flock`` on ``<run_dir>/run.lock``, taken before the run's first write
   and held to its exit (the OS releases it when the process dies, however it dies). The holder's pid, host and
-  start time are written into the file, so a second run names it.
+  start time are written into the file, so a second run names it. ``lock_checkpoint_dir`` holds a checkpoint.dir
+  outside the run directory the same way, its line also naming the run, which stays there as the directory's owner.
+- ``check_apart``: an output directory that is, holds or lies inside an input (model.init_from, data) is refused.
 - ``find_start``: what ``train.resume`` continues, decided from the checkpoints (under checkpoint.dir and every
   directory the record names) and the record, before anything is rewritten:
   ``none`` refuses a directory that holds a run; ``auto`` takes the newest checkpoint, or (none written) the
   run's config.yaml to compare against, or a fresh start in an empty directory; a path to an older checkpoint
-  of this run refuses unless ``train.discard_newer=true``.
+  of this run refuses unless ``train.discard_newer=true``; another run's checkpoint refuses a directory that holds
+  a run, or that overlaps it; a checkpoint.dir that holds another run's checkpoints refuses.
 - ``check_not_moved``: a run's config.yaml used as the primary config of a run that would write elsewhere (the
   run was moved or copied; its absolute train.output_dir still names the old place) is refused.
 
@@ -47,22 +50,51 @@ HF_DIR = "hf"
 def lock_run_dir(run_dir: Path) -> IO[str]:
     """Hold ``run_dir`` for this process (the returned file; closing it, or dying, releases it); CheckpointError
     naming the holder if another process holds it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / LOCK_FILE, "a+")
+    return _hold(run_dir, str(run_dir), "train.output_dir", "")
+
+
+def lock_checkpoint_dir(ckpt_root: Path, run_dir: Path) -> IO[str]:
+    """Hold a checkpoint.dir outside the run directory as the run directory is held, the holder's line also
+    naming its run directory: it stays in the file, the directory's owner, which ``find_start`` names to a later
+    run (``_check_checkpoint_dir``)."""
+    return _hold(ckpt_root, f"checkpoint.dir={ckpt_root}", "checkpoint.dir", f"; run {run_dir.resolve()}")
+
+
+def _hold(directory: Path, what: str, key: str, owner: str) -> IO[str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / LOCK_FILE, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "a process that has not written its name yet"
         handle.close()
-        raise CheckpointError(f"{run_dir} is in use by another run ({holder}); wait for it to end, or give this "
-                              "run another train.output_dir") from None
+        raise CheckpointError(f"{what} is in use by another run ({holder}); wait for it to end, or give this "
+                              f"run another {key}") from None
     handle.seek(0)
     handle.truncate()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}{owner}\n")
     handle.flush()
     return handle
+
+
+def outside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is neither ``directory`` nor inside it (symlinks and ``..`` resolved)."""
+    path, directory = path.resolve(), directory.resolve()
+    return path != directory and directory not in path.parents
+
+
+def check_apart(outputs: dict[str, Path], inputs: list[tuple[str, Path]]) -> None:
+    """Refuse an output directory (key -> path) that is an input, or inside or around one (symlinks, ``..`` and
+    trailing slashes resolved): the run would write over its own source."""
+    for out_key, out in outputs.items():
+        for in_key, path in inputs:
+            if not (outside(out, path) and outside(path, out)):
+                where = ("is" if out.resolve() == path.resolve() else "is inside" if outside(path, out) else
+                         "contains")
+                raise ValueError(f"{out_key}={out} {where} {in_key}={path} ({path.resolve()}): the run would write "
+                                 f"over what it reads; choose a {out_key} apart from its inputs")
 
 
 # ------------------------------------------------------------------------------------------ the record
@@ -75,6 +107,7 @@ class RunRecord:
     step: int = 0  # the last step trained (as of the last checkpoint, or the end)
     checkpoint: str | None = None  # the newest checkpoint written
     finished: bool = False  # every step of train.steps trained and the final weights written
+    simulated: str | None = None  # "rank r of N": a loopback simulation's (launch.simulate_world), no weights
 
     def roots(self, run_dir: Path) -> list[Path]:
         return [run_dir / d for d in self.checkpoint_dirs]
@@ -138,6 +171,7 @@ def find_start(resume: str, discard_newer: bool, ckpt_root: Path, run_dir: Path)
     """Read-only: what ``train.resume`` continues in ``run_dir`` (see the module docstring); refuses
     (CheckpointError) rather than guess."""
     record = read_record(run_dir)
+    _check_checkpoint_dir(ckpt_root, run_dir, record)
     roots = list(dict.fromkeys([ckpt_root, *(record.roots(run_dir) if record else [])]))
     found = sorted((d for root in roots for d in step_dirs(root)), key=step_of)
     logged = _logged_steps(run_dir)
@@ -172,15 +206,48 @@ def find_start(resume: str, discard_newer: bool, ckpt_root: Path, run_dir: Path)
     if not (path / TRAIN_STATE).is_file():
         raise FileNotFoundError(f"train.resume={resume}: not a complete checkpoint (no {TRAIN_STATE} in it)")
     state = read_train_state(path)
+    if path.resolve().parent not in {r.resolve() for r in roots}:  # another run's checkpoint: this run starts from it
+        _check_other_runs_checkpoint(path, state, run_dir, previous)
+        return Start(checkpoint=path, state=state, record=record)
     return Start(checkpoint=path, state=state, record=record,
-                 discard=_newer_than(path, state["step"], roots, found, logged, run_dir, record, discard_newer))
+                 discard=_newer_than(path, state["step"], found, logged, run_dir, record, discard_newer))
 
 
-def _newer_than(path: Path, step: int, roots: list[Path], found: list[Path], logged: int, run_dir: Path,
-                record: RunRecord | None, discard_newer: bool) -> list[Path]:
+def _check_checkpoint_dir(ckpt_root: Path, run_dir: Path, record: RunRecord | None) -> None:
+    """A checkpoint.dir outside the run directory that holds checkpoints its record does not name is another
+    run's: this run's saves would prune them and a resume=auto take them for its own."""
+    if not outside(ckpt_root, run_dir) or (record is not None and ckpt_root.resolve() in
+                                           {r.resolve() for r in record.roots(run_dir)}):
+        return
+    holder = (ckpt_root / LOCK_FILE).read_text().strip() if (ckpt_root / LOCK_FILE).is_file() else ""
+    owner = holder.rpartition("; run ")[2] if "; run " in holder else None  # lock_checkpoint_dir's last holder
+    found = step_dirs(ckpt_root)
+    if found and owner != str(run_dir.resolve()):
+        whose = f"the run in {owner}" if owner else ", ".join(str(p) for p in found[:3])
+        raise CheckpointError(f"checkpoint.dir={ckpt_root} holds another run's checkpoints ({whose}); this run would "
+                              "prune them and resume from them as its own: choose another checkpoint.dir")
+
+
+def _check_other_runs_checkpoint(path: Path, state: dict[str, Any], run_dir: Path, previous: list[str]) -> None:
+    """train.resume=<another run's checkpoint> starts the run directory from it: refused where the two overlap, and
+    where the directory holds a run (its checkpoints, weights and record would be replaced, the rest pruned;
+    train.discard_newer discards only a run's own newer steps)."""
+    other = (state.get("config") or {}).get("train", {}).get("output_dir")
+    of = f"a checkpoint of the run in {other}" if other else "another run's checkpoint"
+    if not outside(path, run_dir) or not outside(run_dir, path):
+        where = "contains it" if not outside(path, run_dir) else "is inside it"
+        raise CheckpointError(f"train.resume={path} is {of}, and train.output_dir={run_dir} {where}: this run would "
+                              "write over what it starts from; choose a train.output_dir apart from it")
+    if previous:
+        raise CheckpointError(f"train.resume={path} is {of}, but {run_dir} already holds another run "
+                              f"({', '.join(previous[:3])}), whose checkpoints and weights it would replace "
+                              "(train.discard_newer discards only a run's own newer steps): start from it in a new "
+                              f"train.output_dir, or continue the run in {run_dir} with train.resume=auto")
+
+
+def _newer_than(path: Path, step: int, found: list[Path], logged: int, run_dir: Path, record: RunRecord | None,
+                discard_newer: bool) -> list[Path]:
     """What this run trained after ``path`` (one of its checkpoints at ``step``): refused unless discard_newer."""
-    if path.resolve().parent not in {r.resolve() for r in roots}:
-        return []  # another run's checkpoint: this run directory starts from it
     newer = [d for d in found if step_of(d) > step]
     later_weights = [run_dir / n for n in (WEIGHTS_FILE, HF_DIR) if (run_dir / n).exists()
                      and (record is None or record.step > step)]

@@ -117,6 +117,13 @@ def source_names(sources: list[SourceConfig]) -> list[str]:
     return names
 
 
+def glob_root(path: str) -> Path:
+    """The directory a glob ``path`` searches (its parts before the first with a glob character), else ``path``."""
+    parts = Path(path).parts
+    cut = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+    return Path(*parts[:cut]) if cut else Path(".")
+
+
 def token_paths(cfg: DataConfig) -> list[tuple[str, str]]:
     """(config key, path) of each token source of ``cfg`` (data=tokens)."""
     if cfg.sources is None:

@@ -144,6 +144,14 @@ class PackedLoader:
             return {}
         return {f"data/share/{src.name}": n / self._drawn for src, n in zip(self._sources, self._windows)}
 
+    def check_data_unchanged(self) -> None:
+        """ValueError naming a token shard changed on disk since the run opened it (``ShardFiles``): called before
+        every checkpoint, so none records a data identity that is not what was read. (Other data is read into
+        memory at the start.)"""
+        for src in self._sources:
+            if src.files is not None:
+                src.files.check()
+
     def state_dict(self) -> dict:
         """{"epoch", "position", "data": {source name: identity}}; a mixture adds "sources": {name: {"epoch",
         "position", "windows"}}."""
@@ -154,16 +162,20 @@ class PackedLoader:
                                 for src, order, n in zip(self._sources, self._orders, self._windows)}
         return state
 
-    def load_state_dict(self, state: dict, allow_changes: Sequence[str] = ()) -> None:
-        """Continue from ``state``; ValueError if the data's contents changed since (unless ``allow_changes``,
-        train.allow_changes, names data, data.path or data.sources)."""
+    def load_state_dict(self, state: dict, allow_changes: Sequence[str] = (), checkpoint: str = "the checkpoint"
+                        ) -> None:
+        """Continue from ``state`` (of ``checkpoint``, for the errors); ValueError if the data's contents changed
+        since (unless ``allow_changes``, train.allow_changes, names data, data.path or data.sources), or if a
+        position lies past the data it counts (an edited or foreign state)."""
         names = [src.name for src in self._sources]
         saved = sorted(state.get("sources", {}))
         if (len(names) > 1 and saved != sorted(names)) or (len(names) == 1 and saved):
             raise ValueError(f"the checkpoint's data loader state has the sources {saved or 'of one data.path'}, "
                              f"and this run reads {sorted(names) if len(names) > 1 else 'one data.path'}; resume "
                              "with the checkpointed run's data.path / data.sources")
-        self._check_identity(state.get("data"), allow_changes)
+        changed = self._check_identity(state.get("data"), allow_changes)
+        if not changed and not any(a.split(".")[0] == "data" for a in allow_changes):  # the windows it counted
+            self._check_positions(state, checkpoint)
         if len(names) == 1:
             self._orders[0].epoch, self._orders[0].position = int(state["epoch"]), int(state["position"])
             return
@@ -173,15 +185,32 @@ class PackedLoader:
             order.epoch, order.position = int(source["epoch"]), int(source["position"])
             self._windows[s] = int(source["windows"])
 
-    def _check_identity(self, saved: dict[str, str] | None, allow_changes: Sequence[str]) -> None:
+    def _check_positions(self, state: dict, checkpoint: str) -> None:
+        """Every recorded position within its source's windows (a position equal to their number is an epoch's
+        end), and a mixture's windows adding up to its draws."""
+        mixture = len(self._sources) > 1
+        at = [(src.name, state["sources"][src.name] if mixture else state, order.num_windows)
+              for src, order in zip(self._sources, self._orders)]
+        wrong = [f"{name!r} at position {pos['position']} of {n} windows" for name, pos, n in at
+                 if not 0 <= int(pos["position"]) <= n or int(pos["epoch"]) < 0]
+        if mixture and sum(int(pos["windows"]) for _, pos, _ in at) != int(state["position"]):
+            wrong.append(f"{sum(int(pos['windows']) for _, pos, _ in at)} windows drawn from the sources and "
+                         f"{state['position']} in all")
+        if wrong:
+            raise ValueError(f"{checkpoint} records the data loader past the data it was saved with "
+                             f"({'; '.join(wrong)}), and the data's contents and data settings are unchanged: an "
+                             "edited or foreign checkpoint; move it aside and resume from an earlier one")
+
+    def _check_identity(self, saved: dict[str, str] | None, allow_changes: Sequence[str]) -> bool:
+        """Whether the data's contents changed (deliberately: else ValueError) since the checkpoint."""
         if saved is None:
             logger.warning("the checkpoint records no identity of its data (written before identities were "
                            "recorded): a change of the data's contents since then is not detected")
-            return
+            return False
         changed = [f"{src.name!r} {saved.get(src.name, '<none>')[:12]}... -> {src.identity[:12]}..."
                    for src in self._sources if saved.get(src.name) != src.identity]
         if not changed:
-            return
+            return False
         key = "data.sources" if len(self._sources) > 1 else "data.path"
         what = f"the data's contents changed since the checkpoint ({'; '.join(changed)}: digests of the files)"
         if not any(a in _DATA_CHANGE_KEYS for a in allow_changes):
@@ -189,6 +218,7 @@ class PackedLoader:
                              f"trained on, or make the change deliberate with train.allow_changes=[{key}]")
         logger.warning("%s; resuming anyway (train.allow_changes): the loader's position counts windows of the new "
                        "data", what)
+        return True
 
 
 def _check_trained_tokens(cfg: DataConfig, path: str | Path, ids: np.ndarray, mask: np.ndarray, tokenizer: str
@@ -232,7 +262,7 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None, model_vocab_size: int
                                  f"re-tokenize with scripts/pretokenize.py --tokenizer {tokenizer}")
             tokenized_by[key] = data.tokenizer
         sources.append(Source(name, data.ids, data.mask if cfg.mask_non_assistant else None, src.weight,
-                              data.identity))
+                              data.identity, data.files))
         vocab_size = max(vocab_size, data.vocab_size)
     if len(set(tokenized_by.values())) > 1:
         raise ValueError(f"data.sources were tokenized with different tokenizers ({tokenized_by}); mix sources of "

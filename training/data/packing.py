@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from core.constants import IGNORE_INDEX
-from training.data.token_shards import TokenStream
+from training.data.token_shards import ShardFiles, TokenStream
 
 
 class Span:
@@ -35,6 +35,7 @@ class Source:
     mask: np.ndarray | TokenStream | Span | None = None  # 1-D loss mask of the targets; None: every target trained
     weight: float = 1.0
     identity: str = ""  # a digest of the data's contents, compared on resume (PackedLoader.load_state_dict)
+    files: ShardFiles | None = None  # token shards: the files as opened, checked for changes during the run
 
 
 _SEARCH_BLOCK = 1 << 20  # ids read at a time looking for a document start

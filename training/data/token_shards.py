@@ -9,7 +9,14 @@ identity in a checkpoint and the key of its id range (min, max), scanned once pe
 
 A shard is 1-D ids, or the [2, n] uint32 (ids, trained mask) of ``scripts/pretokenize.py``, whose directory's
 manifest.json names the tokenizer (and so the <|endoftext|> id), must list every shard as finished, and records
-each shard's CRCs (older manifests: its sha256), against which the shard is checked: a damaged one is refused.
+each shard's CRCs (older manifests: its sha256), against which the shard is checked: a damaged one is refused. A
+directory with a manifest is read as exactly the shards it lists: a .npy/.bin file beside them that it does not
+list (stale or foreign), or one it lists that is missing, is refused.
+
+During the run each shard's (device, inode, size, mtime) as it was opened is checked again before every read of it
+and, through the loader, at every logged step and checkpoint (``ShardFiles``): a shard rewritten, replaced or
+truncated under the run stops it with one line naming the file, before a read past a truncated end (a bus error)
+and before a checkpoint would record an identity that is not what was read.
 """
 
 from __future__ import annotations
@@ -17,15 +24,15 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from core.files import atomic_write_text, record_paths, record_problems
-from training.data.tokenize_shards import MANIFEST, file_sha256
+from training.data.tokenize_shards import MANIFEST, SHARD_SUFFIXES, file_sha256
 
-SHARD_SUFFIXES = (".npy", ".bin")
 BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids
 _STATS_CACHE = "token-shards.json"
 _SCAN_BLOCK = 1 << 24  # ids per block of the one validating pass over a shard
@@ -135,11 +142,48 @@ def shard_maxima(paths: list[Path], shards: list[np.ndarray], records: dict[Path
     return [stats[key][1] for key in keys]
 
 
-class TokenStream:
-    """Shards concatenated in order as one read-only 1-D id sequence; indexable with an integer array of any shape."""
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """What changes when a file is rewritten, replaced or truncated, for one stat: (device, inode, size, mtime);
+    None: gone."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
-    def __init__(self, shards: list[np.ndarray]) -> None:
-        self._shards = shards
+
+class ShardFiles:
+    """A source's shard files as the run opened them (``_stamp``, taken before their records were read): a shard
+    rewritten in place would be read (memory-mapped) with its new bytes while the checkpoints record the old
+    contents, and one truncated would end the process with a bus error at the first read past its new end. So a
+    read checks the shards it touches first, and ``check`` all of them (train.py: every logged step and every
+    checkpoint)."""
+
+    def __init__(self, paths: list[Path], key: str) -> None:
+        self.paths, self.key = paths, key
+        self._stamps = [_stamp(p) for p in paths]
+
+    def check(self, shards: Iterable[int] | None = None) -> None:
+        """ValueError naming the first of ``shards`` (indices; None: all) that changed since the run opened it."""
+        for s in range(len(self.paths)) if shards is None else shards:
+            was, now = self._stamps[s], _stamp(self.paths[s])
+            if now == was:
+                continue
+            what = ("it is gone" if now is None else f"another file now (inode {was[1]} -> {now[1]})"
+                    if now[:2] != was[:2] else f"{was[2]} -> {now[2]} bytes" if now[2] != was[2] else
+                    "rewritten: modified since the run opened it")
+            raise ValueError(f"{self.key}: token shard {self.paths[s]} changed under the running job ({what}); the "
+                             "run stops here, and its checkpoints hold what it read before: restore the file and "
+                             "continue with train.resume=auto, or train on the new contents with "
+                             "train.resume=auto train.allow_changes=[data]")
+
+
+class TokenStream:
+    """Shards concatenated in order as one read-only 1-D id sequence; indexable with an integer array of any shape.
+    With ``files``, each read checks the files of the shards it reads first (``ShardFiles``)."""
+
+    def __init__(self, shards: list[np.ndarray], files: ShardFiles | None = None) -> None:
+        self._shards, self._files = shards, files
         self._starts = np.cumsum([0] + [len(s) for s in shards])  # [shards + 1] offset of each shard
 
     def __len__(self) -> int:
@@ -149,7 +193,10 @@ class TokenStream:
         index = np.asarray(index, dtype=np.int64)
         shard = np.searchsorted(self._starts, index, side="right") - 1
         out = np.empty(index.shape, dtype=np.int64)
-        for s in np.unique(shard):
+        touched = np.unique(shard)
+        if self._files is not None:
+            self._files.check(touched.tolist())  # a stat per shard: a truncated one is named, not a bus error
+        for s in touched:
             at = shard == s
             out[at] = self._shards[s][index[at] - self._starts[s]]
         return out
@@ -163,6 +210,7 @@ class TokenData:
     vocab_size: int  # largest id + 1
     tokenizer: str | None  # from the shards' manifest.json (scripts/pretokenize.py); None: not known
     identity: str  # sha256 of the shards' records in order: what a checkpoint compares on resume
+    files: ShardFiles  # the files as opened: checked before each read and by the loader's check_data_unchanged
 
 
 def pretokenized_by(paths: list[Path], records: dict[Path, dict], key: str) -> str | None:
@@ -183,6 +231,15 @@ def pretokenized_by(paths: list[Path], records: dict[Path, dict], key: str) -> s
             raise ValueError(f"{key}: {folder} holds an unfinished tokenization ({done} of {len(shards)} shards in "
                              f"{MANIFEST}); run scripts/pretokenize.py again to finish it")
         written = {s.get("file"): s for s in shards}
+        # exactly the manifest's shards: a stale or foreign file beside them would be read as part of the corpus
+        unlisted = [str(p) for p in paths if p.parent == folder and p.name not in written]
+        missing = [str(folder / name) for name in written if not (folder / name).is_file()]
+        disagree = ([f"{', '.join(unlisted[:3])} not in it (stale or foreign shards)"] if unlisted else []) + \
+            ([f"{', '.join(missing[:3])} listed but missing"] if missing else [])
+        if disagree:
+            raise ValueError(f"{key}: {folder} and its {MANIFEST} disagree: {'; '.join(disagree)}: move the files it "
+                             "does not list out of the directory, and run scripts/pretokenize.py again for missing "
+                             "ones (it redoes them)")
         for path in (p for p in paths if p.parent == folder and p.name in written):
             entry = written[path.name]
             problems = (record_problems(path.name, entry["record"], records[path]) if entry.get("record") else
@@ -203,6 +260,7 @@ def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "dat
     """The shards of ``path`` as one source (``TokenData``); with ``model_vocab_size``, ValueError naming the
     first shard whose ids the model cannot embed."""
     paths = shard_paths(path, key)
+    files = ShardFiles(paths, key)  # before anything is read: a change from here on stops the run
     opened = [open_shard(p, bin_dtype) for p in paths]
     ids, masks = [i for i, _ in opened], [m for _, m in opened]
     masked = [m is not None for m in masks]
@@ -219,8 +277,8 @@ def load_token_stream(path: str, bin_dtype: str, cache_dir: str, key: str = "dat
                              f"{model_vocab_size}; use a model whose vocabulary covers the data's ids (or the shards "
                              "of its tokenizer)")
     identity = hashlib.sha256(json.dumps([records[p] for p in paths]).encode()).hexdigest()
-    return TokenData(TokenStream(ids), TokenStream(masks) if all(masked) else None, max(maxima) + 1, tokenizer,
-                     identity)
+    return TokenData(TokenStream(ids, files), TokenStream(masks, files) if all(masked) else None, max(maxima) + 1,
+                     tokenizer, identity, files)
 
 
 class WindowOrder:

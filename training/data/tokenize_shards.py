@@ -12,7 +12,9 @@ Each shard is written atomically, and ``<out_dir>/manifest.json`` (source and it
 finished shard's range, documents, tokens, trained tokens, sha256 and record: size and block CRCs, which
 ``training.data.token_shards`` checks when it reads the shard, and the totals once all are done) is rewritten
 atomically after every shard: a re-run skips the shards the manifest lists whose files still match their sha256, so
-an interrupted run resumes where it stopped. Used by ``scripts/pretokenize.py`` and the data=jsonl / data=hf caches
+an interrupted run resumes where it stopped. It writes only into a directory without .npy/.bin files or its own
+earlier one, whose manifest plans every such file: it never overwrites a file it did not write, nor leaves stale
+shards to be read with its own. Used by ``scripts/pretokenize.py`` and the data=jsonl / data=hf caches
 (``training.data.cache``); data=tokens reads the shards directly (``training.data.token_shards``).
 """
 
@@ -37,6 +39,7 @@ from training.data.chat import Doc, document, join_docs, jsonl_row
 from training.data.tokenizer import TOKENIZERS, QwenTokenizer
 
 MANIFEST = "manifest.json"
+SHARD_SUFFIXES = (".npy", ".bin")  # what data=tokens reads from a directory (training.data.token_shards)
 _FORMAT = 2  # bump when the manifest or the shard layout changes (2: reader, row ranges)
 
 
@@ -250,6 +253,21 @@ def _resumable(out_dir: Path, manifest: Manifest) -> dict[str, Shard]:
     return done
 
 
+def _check_only_ours(out_dir: Path, manifest: Manifest, resumed: bool) -> None:
+    """ValueError naming the token-shard files (.npy, .bin) in ``out_dir`` that this tokenization did not write:
+    without a manifest, all of them (a user's shard_00000.npy would be overwritten; an old run's stale shards would
+    be read with the new ones); with one (``resumed``), those outside its plan. Nothing is written before."""
+    planned = {s.file for s in manifest.shards} if resumed else set()
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES
+                     and p.name not in planned)
+    if foreign:
+        what = "its manifest.json does not plan them" if resumed else f"no {MANIFEST} records them"
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"{out_dir} holds {listed}, which scripts/pretokenize.py did not write ({what}): it would "
+                         "overwrite them or leave them to be read with its shards; use an empty directory, or move "
+                         "them out")
+
+
 def _write_manifest(out_dir: Path, manifest: Manifest) -> None:
 
     if manifest.complete:
@@ -281,6 +299,7 @@ def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, 
                         corpus.reader, tokenizer, docs_per_shard, corpus.plan(docs_per_shard))
     out_dir.mkdir(parents=True, exist_ok=True)
     done = _resumable(out_dir, manifest)
+    _check_only_ours(out_dir, manifest, resumed=(out_dir / MANIFEST).is_file())
     manifest.shards = [done.get(s.file, s) for s in manifest.shards]
     todo = [s for s in manifest.shards if not s.sha256][:max_shards]
     index = {s.file: i for i, s in enumerate(manifest.shards)}
