@@ -41,7 +41,8 @@ def test_a_torchrun_job_writes_only_its_run_directory_and_its_config_reruns(tmp_
     # Nothing beside the run directory (no Hydra outputs/<date>/<time>, no .hydra copy).
     assert {p.name for p in tmp_path.iterdir()} - {"cache"} == {"run", "tokens.npy"}
     assert {p.name for p in run.iterdir()} == {"config.yaml", "metrics.jsonl", "model.safetensors", "tensorboard",
-                                               "train.log", "logs", "checkpoints", "run.json", "run.lock"}
+                                               "model.safetensors.record.json", "train.log", "logs", "checkpoints",
+                                               "run.json", "run.lock"}
     log = (run / "train.log").read_text()
     assert "layout: world 2 = dp 2 x cp 1; experts: ep 2 x efsdp 1 x edp 1; fsdp2; dispatcher eager" in log
     assert "global batch: 8 sequences x 32 tokens = 256 tokens per step" in log
