@@ -33,8 +33,8 @@ from core import device
 from core.files import atomic_write_text
 from kernels.registry import apply_kernels, select_kernels
 from models.causal_lm import trained_rows
-from models.hf_io import (args_from_hf_config, check_export_dir, export_hf, load_hf_into_model, preset_differences,
-                          read_hf_config)
+from models.hf_io import (args_from_hf_config, check_export_dir, check_export_source, export_hf, load_hf_into_model,
+                          preset_differences, read_hf_config)
 from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
@@ -225,6 +225,8 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
         check_export_requirements(cfg, tokenizer, model_args.vocab_size)
         if cfg.train.output_dir is not None:  # Hydra's own run directory is new: it holds no hf/ yet
             check_export_dir(Path(cfg.train.output_dir) / "hf")  # checked before any step is trained
+        if cfg.model.init_from is not None:  # the export carries the source's untrained tensors and configs
+            check_export_source(cfg.model.init_from, spec.model_type, model_args)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
@@ -647,7 +649,8 @@ def finish(run_dir: RunDir, model: torch.nn.Module, spec: models.ModelSpec, toke
                                               "with train.resume=auto to write the weights" if kept else
                                               "no checkpoint holds the last step (checkpoint.at_end=false)")) from e
     if cfg.checkpoint.export_hf_at_end:
-        export_hf(model, spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(tokenizer))
+        export_hf(model, spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(tokenizer),
+                  source=cfg.model.init_from)
     run_dir.finished(last_step, dims.rank == 0)
 
 

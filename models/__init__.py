@@ -78,8 +78,8 @@ def build_args(model_type: str, arch: dict[str, Any]):
 
 
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))
-# Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model;
-# the vision tower and MTP head match no prefix and are skipped). Both export as the text model.
+# Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model; the
+# vision tower matches no prefix: not trained, carried to the export). Without a source both export as the text model.
 _QWEN3_5_CP_HEADS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads"))
 register(ModelSpec("qwen3_5_moe_text", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
                    cp_heads=_QWEN3_5_CP_HEADS, hf_names="models.qwen3_5_moe.hf_names"))
