@@ -103,11 +103,18 @@ def preset_differences(args: Any, cfg: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- names
 
 
-def _to_ours(spec: ModelSpec, disk_name: str) -> str | None:
+def _to_ours(spec: ModelSpec, disk_name: str, mtp: bool = True) -> str | None:
+    """Our name of a checkpoint's tensor; None: not part of our model (a vision tower; ``mtp`` False: the MTP head,
+    for a model built without one)."""
     for disk, ours in spec.hf_prefixes:
-        if disk_name.startswith(disk):
+        if disk_name.startswith(disk) and (mtp or not _is_mtp(spec, ours)):
             return ours + disk_name[len(disk):]
-    return None  # not part of our model (e.g. a vision tower or an MTP head of a multimodal checkpoint)
+    return None
+
+
+def _is_mtp(spec: ModelSpec, name: str) -> bool:
+    """Whether our ``name`` (or prefix) is the MTP head's: built only where the model trains it."""
+    return spec.mtp_blocks is not None and name.startswith(spec.mtp_blocks.partition(".")[0] + ".")
 
 
 def _to_disk(spec: ModelSpec, name: str) -> str:
@@ -118,7 +125,8 @@ def _to_disk(spec: ModelSpec, name: str) -> str:
 
 
 def _experts_module_re(spec: ModelSpec) -> str:
-    return rf"{re.escape(spec.blocks)}\.\d+\.{re.escape(spec.experts)}"
+    blocks = "|".join(re.escape(name) for name in (spec.blocks, spec.mtp_blocks) if name)
+    return rf"(?:{blocks})\.\d+\.{re.escape(spec.experts)}"
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -199,9 +207,10 @@ def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
 
 
 @contextlib.contextmanager
-def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
+def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False) -> Iterator[dict[str, _Source]]:
     """Our name -> _Source for every tensor of a Hugging Face directory that belongs to our model (family
-    from its config.json). Per-expert tensors become one fused source; raises listing any missing expert."""
+    from its config.json; ``mtp``: with its MTP head). Per-expert tensors become one fused source; raises listing
+    any missing expert."""
     hf_dir = Path(hf_dir)
     spec = get_spec(read_hf_config(hf_dir)["model_type"])
     part_of = {part: (fused, i) for fused, parts in EXPERT_WEIGHTS.items() for i, part in enumerate(parts)}
@@ -213,7 +222,7 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
         for path in _checkpoint_files(hf_dir):
             f = stack.enter_context(_open_safetensors(path))
             for disk_name in f.keys():
-                name = _to_ours(spec, disk_name)
+                name = _to_ours(spec, disk_name, mtp)
                 if name is None:
                     skipped.append(disk_name)
                     continue
@@ -244,10 +253,10 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
         yield sources
 
 
-def load_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face directory in our names, as full tensors. Per-expert tensors are stacked
-    into the fused ones; fused tensors on disk are taken as they are."""
-    with _disk_sources(hf_dir) as sources:
+def load_hf_state_dict(hf_dir: str | os.PathLike, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face directory in our names, as full tensors (``mtp``: the MTP head's too).
+    Per-expert tensors are stacked into the fused ones; fused tensors on disk are taken as they are."""
+    with _disk_sources(hf_dir, mtp) as sources:
         return {name: src.read(_whole(src.shape)) for name, src in sources.items()}
 
 
@@ -310,7 +319,12 @@ def load_into_model(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) ->
 def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """Fill the model from a Hugging Face directory, each rank reading from disk only the slices it owns:
     host memory stays near one rank's share instead of the whole checkpoint."""
-    with _disk_sources(hf_dir) as sources:
+    spec = get_spec(read_hf_config(hf_dir)["model_type"])
+    with _disk_sources(hf_dir, mtp=model.mtp is not None) as sources:
+        if model.mtp is not None and not any(_is_mtp(spec, name) for name in sources):
+            raise ValueError(f"model.arch.mtp_loss_weight={model.args.mtp_loss_weight} trains the MTP head, and "
+                             f"{hf_dir} has none (no mtp.* tensors): start from a checkpoint that has one, or set "
+                             "model.arch.mtp_loss_weight=0")
         _copy_into(model, sources, lambda src, box: src.read(box))
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import train
 from models import build_args, get_spec
-from models.hf_io import INDEX, check_export_source, read_hf_config
+from models.hf_io import INDEX, check_export_source, load_hf_state_dict, read_hf_config
 from models.qwen3_5_moe.args import FULL_ATTENTION
 from models.qwen3_5_moe.model import DecoderLayer
 from tests.conftest import compose_config, write_tokens
@@ -137,6 +137,26 @@ def test_export_keeps_every_untrained_tensor_and_the_source_layout(tmp_path, mul
     alone = _exported(tmp_path / "alone")
     assert not any(name.startswith(("model.visual.", "mtp.", "model.language_model.")) for name in alone)
     assert read_hf_config(tmp_path / "alone")["model_type"] == "qwen3_5_moe_text"
+
+
+def test_trained_mtp_head_is_exported_and_reloads_exactly(tmp_path, multimodal):
+    run = _run(tmp_path, multimodal, "mtp", "+model.arch.mtp_loss_weight=0.3")
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["mtp_loss"] > 0 for m in metrics if "loss" in m)
+    source, exported, trained = _source_tensors(multimodal), _exported(run / "hf"), load_file(run / "model.safetensors")
+    mtp = [name for name in trained if name.startswith("mtp.")]
+    assert "mtp.fc.weight" in mtp and "mtp.layers.0.mlp.experts.gate_up_proj" in mtp
+    for name in mtp:  # trained: changed, and exported as the run's weights (per expert on disk, as the source)
+        assert torch.equal(exported[name], trained[name]) if name in exported else name.endswith("_proj"), name
+        assert name not in source or not torch.equal(trained[name], source[name]), name
+    assert set(exported) == set(source)  # the source's names: the MTP experts one by one
+    for name in source:
+        if name.startswith("model.visual."):
+            assert _bitwise_equal(exported[name], source[name]), name
+    # Loaded back (the MTP head with it), the export is the run's weights exactly.
+    reloaded = load_hf_state_dict(run / "hf", mtp=True)
+    assert reloaded.keys() == trained.keys()
+    assert all(torch.equal(reloaded[name], trained[name]) for name in trained)
 
 
 def test_export_refuses_a_source_that_is_gone_or_of_another_architecture(tmp_path, multimodal):

@@ -35,6 +35,10 @@ class Qwen3_5MoeArgs(MoeArgs):
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     max_position_embeddings: int = 262144
+    # The multi-token-prediction head of the published checkpoints (``mtp.*``: one full-attention block predicting
+    # token t+2): trained with its cross-entropy added at this weight; 0: the model has no head (a checkpoint's is
+    # carried to the export untouched). Training-only: not in config.json.
+    mtp_loss_weight: float = 0.0
 
     @property
     def rotary_dim(self) -> int:
@@ -66,6 +70,8 @@ class Qwen3_5MoeArgs(MoeArgs):
             raise ValueError(f"model.arch.head_dim={self.head_dim} x model.arch.partial_rotary_factor="
                              f"{self.partial_rotary_factor} = {self.rotary_dim} rotary channels: must be even, "
                              "positive and at most head_dim")
+        if self.mtp_loss_weight < 0:
+            raise ValueError(f"model.arch.mtp_loss_weight={self.mtp_loss_weight} must be >= 0 (0: no MTP head)")
         if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
             raise ValueError(f"model.arch.mrope_section={self.mrope_section} must be 3 non-negative counts (t, h, w)")
 
