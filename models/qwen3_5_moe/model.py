@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from models.attention import Attention
+from models.footprint import LayerActivations
 from models.causal_lm import MoeCausalLM, MoeDecoder, MoeDecoderLayer
 from models.layers import Documents
 from models.moe import RouterStats
@@ -73,6 +74,13 @@ class MultiTokenPredictor(nn.Module):
         self.fc = nn.Linear(2 * D, D, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(args, FULL_ATTENTION)])  # the published head has one
         self.norm = OffsetRMSNorm(D, eps)
+
+    def saved_activations(self) -> LayerActivations:
+        """Outside its block, kept whatever the checkpointing (only blocks are checkpointed): the embedding of
+        t+1 and the block's output (the inputs of two norms), the concatenated fc input, three fp32 rstds. The
+        hidden state it reads is the LM head's input, counted there."""
+        D = self.fc.out_features
+        return LayerActivations(none=4 * D, none_fp32=3, selective=4 * D, selective_fp32=3)
 
     def forward(self, embeds_BTD: torch.Tensor, h_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
                 docs: Documents | None) -> tuple[torch.Tensor, list[RouterStats]]:
