@@ -237,6 +237,7 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
     before torchrun starts any child, so an impossible layout is one short error. ``resumed``: the config of the
     checkpoint being resumed."""
     validate(cfg)
+    source = cfg.model.init_from  # what the export carries, a resume's too (as_resumed builds from the checkpoint)
     cfg = as_resumed(cfg, resumed)
     spec, model_args = resolve_model(cfg)
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
@@ -244,8 +245,8 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
         check_export_requirements(cfg, tokenizer, model_args.vocab_size)
         if cfg.train.output_dir is not None:  # Hydra's own run directory is new: it holds no hf/ yet
             check_export_dir(Path(cfg.train.output_dir) / "hf")  # checked before any step is trained
-        if cfg.model.init_from is not None:  # the export carries the source's untrained tensors and configs
-            check_export_source(cfg.model.init_from, spec.model_type, model_args)
+        if source is not None:  # the export carries the source's untrained tensors and configs
+            check_export_source(source, spec.model_type, model_args)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)

@@ -442,8 +442,8 @@ def check_export_source(hf_dir: str | os.PathLike, model_type: str, args: Any) -
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise ValueError(f"the run's source directory {hf_dir} (model.init_from) is gone, and an export copies the "
-                         "tensors the run does not train from it: give its new place (scripts/export_hf.py --source "
-                         "DIR), or export the trained model alone (--source none)")
+                         "tensors the run does not train from it: restore it, or export with scripts/export_hf.py "
+                         "--source NEW_DIR (where it is now) or --source none (the trained model alone)")
     config = read_hf_config(hf_dir)
     source_type, source_args = args_from_hf_config(config)
     names = _hf_names(get_spec(model_type))
