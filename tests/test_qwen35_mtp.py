@@ -6,16 +6,18 @@ by finite differences in float64; and the batch it trains on (the shift, the doc
 
 from __future__ import annotations
 
-import dataclasses
+import shutil
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import load_file, save_file
 
 from core.constants import IGNORE_INDEX
 from models import build_args, get_spec
 from models.causal_lm import MtpBatch, mtp_batch
+from models.hf_io import export_hf, load_hf_state_dict
 from models.qwen3_5_moe.layers import OffsetRMSNorm
 from tests.test_qwen35_parity import ARCH, _hf_config
 
@@ -179,3 +181,19 @@ def test_mtp_gradients_match_finite_differences() -> None:
             # relative.
             assert abs(grad[i].item() - numeric) < 2e-4 + 1e-3 * abs(numeric), (name, i, grad[i].item(), numeric)
             assert abs(numeric) > 1e-3, (name, i)  # a gradient to check, not round-off
+
+
+def test_mtp_head_loads_from_per_expert_and_fused_names(tmp_path) -> None:
+    """Exported (per-expert names, as published) or saved fused (our names), the head's tensors load back exactly;
+    a model without the head leaves them to the export (not loaded, not refused)."""
+    model = _model()
+    state = {k: v for k, v in model.state_dict().items() if "expert_bias" not in k}
+    export_hf(model, "qwen3_5_moe_text", tmp_path / "per_expert")
+    assert "mtp.layers.0.mlp.experts.3.up_proj.weight" in load_file(tmp_path / "per_expert" / "model.safetensors")
+    (tmp_path / "fused").mkdir()
+    save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(tmp_path / "per_expert" / "config.json", tmp_path / "fused")
+    for layout in ("per_expert", "fused"):
+        loaded = load_hf_state_dict(tmp_path / layout, mtp=True)
+        assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state), layout
+        assert not any(k.startswith("mtp.") for k in load_hf_state_dict(tmp_path / layout)), layout
