@@ -47,6 +47,9 @@ EXPERT_WEIGHTS: dict[str, tuple[str, ...]] = {
     "down_proj": ("down_proj.weight",),
 }
 
+# A per-expert on-disk tensor -> (the fused parameter it is part of, its place among the parts).
+_PART_OF = {part: (fused, i) for fused, parts in EXPERT_WEIGHTS.items() for i, part in enumerate(parts)}
+
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -213,7 +216,6 @@ def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False) -> Iterator[dict
     any missing expert."""
     hf_dir = Path(hf_dir)
     spec = get_spec(read_hf_config(hf_dir)["model_type"])
-    part_of = {part: (fused, i) for fused, parts in EXPERT_WEIGHTS.items() for i, part in enumerate(parts)}
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.(\d+)\.(.+)$")
     sources: dict[str, _Source] = {}
     per_expert: dict[str, dict[tuple[int, int], Any]] = defaultdict(dict)  # fused name -> {(part, expert): slice}
@@ -227,8 +229,8 @@ def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False) -> Iterator[dict
                     skipped.append(disk_name)
                     continue
                 match = per_expert_re.match(name)
-                if match and match[3] in part_of:
-                    fused, i = part_of[match[3]]
+                if match and match[3] in _PART_OF:
+                    fused, i = _PART_OF[match[3]]
                     per_expert[f"{match[1]}.{fused}"][i, int(match[2])] = f.get_slice(disk_name)
                 else:
                     sources[name] = _direct_source(f, disk_name)
@@ -464,15 +466,14 @@ def export_source(hf_dir: str | os.PathLike, model_type: str, args: Any, trained
     spec = get_spec(source_type)
     trained = set(trained)
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.\d+\.(.+)$")
-    parts = {part: fused for fused, parts in EXPERT_WEIGHTS.items() for part in parts}
     untrained = {}
     for path in _checkpoint_files(hf_dir):
         with _open_safetensors(path) as f:
             for disk_name in f.keys():
                 ours = _to_ours(spec, disk_name)
                 match = per_expert_re.match(ours or "")
-                if match and match[2] in parts:
-                    ours = f"{match[1]}.{parts[match[2]]}"
+                if match and match[2] in _PART_OF:
+                    ours = f"{match[1]}.{_PART_OF[match[2]][0]}"  # one of the per-expert parts of a fused tensor
                 if ours not in trained:
                     handle = f.get_slice(disk_name)
                     untrained[disk_name] = (path, tuple(handle.get_shape()), torch_dtype(handle.get_dtype()))
