@@ -49,6 +49,7 @@ from training.launch import needs_torchrun, one_line_errors, relaunch_with_torch
 from training.loss import IGNORE_INDEX, router_loss_shares
 from training.metrics import (MetricLogger, attended_flops_per_token, moe_metrics, progress_line, reduce_routing,
                               routing_summary)
+from training.planner import fit_warnings
 from training.optim import build_optimizer, build_scheduler, clipped_step, queue_step
 from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
@@ -79,12 +80,12 @@ def on_rank0(dims: parallelisms.ParallelDims, decide: Callable[[], Any]) -> Any:
     """``decide()`` on rank 0, its result (or its error) on every rank: one decision about the run directory, taken
     before rank 0 writes into it (a lagging rank would otherwise see rank 0's new files, or its own Hydra clock)."""
     box: list[Any] = [None]
-    if dims.rank == 0:
+    if dims.writer:
         try:
             box = [(True, decide())]
         except Exception as e:  # every rank raises it
             box = [(False, e)]
-    if dims.world_size > 1:
+    if dims.world_size > 1 and not dims.simulated:
         dist.broadcast_object_list(box, src=0)
     ok, value = box[0]
     if not ok:
@@ -136,7 +137,11 @@ def startup_summary(cfg: TrainConfig, param_counts: tuple[int, int], dims: paral
               + (f"; dispatcher {cfg.dispatcher.name}" if dims.ep > 1 else "")
               + f"; activation checkpoint {p.activation_checkpoint}")
     fast = [f"{c.op}={c.impl}" for c in kernels.choices.values() if c.impl != "torch"]
-    return [
+    simulated = ([f"SIMULATION: this process is rank {dims.rank} of a {dims.world_size}-rank job whose every peer is "
+                  "a copy of it (loopback collectives, parallelisms/loopback.py): its shards, collectives' sizes and "
+                  "compute are the real rank's under balanced routing; it writes no checkpoint or weights"]
+                 if dims.simulated else [])
+    return simulated + [
         f"model {cfg.model.name} ({cfg.model.model_type}): {_count(total)} parameters, {_count(active)} active per token",
 
         f"layout: {layout}",
@@ -310,7 +315,8 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
                               enabled=mixed_bf16(cfg, dev_type) and cfg.parallel.backend.name == "ddp")
     parallelisms.clip_grad_norm_(model, 0.0, dims)  # warm-up: initialises every collective on every mesh
     stop = StopSignal(dims, dev)
-    profiler = StepProfiler(run_dir.path, cfg.logging.profile_step, cfg.logging.profile_steps, dims.rank, dev_type,
+    profiler = StepProfiler(run_dir.path, cfg.logging.profile_step, cfg.logging.profile_steps,
+                           0 if dims.writer else dims.rank, dev_type,
                            cfg.logging.profile_host)
     gc_off = ManualGC(cfg.train.gc_every)
 
@@ -319,14 +325,15 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
                        "rng": rng_state(dev_type), "config": run_config, "global_batch_size": global_batch,
                        "tokens_total": tokens_total}
         path = save_checkpoint(run_dir.ckpt_root, step, model, optimizer, train_state, cfg.checkpoint.keep_last,
-                               dims.rank == 0)
-        run_dir.saved(step, path, dims.rank == 0)
+                               dims.writer)
+        run_dir.saved(step, path, dims.writer)
         return path
 
-    if dims.rank == 0:
+    if dims.writer:
         for line in startup_summary(resolved, param_counts, dims, global_batch, kernels, run_dir.path):
             logger.info(line)
-        for line in config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root)):
+        for line in (config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root))
+                     + fit_warnings(resolved, dims.world_size, device.capacity_gib(dev_type))):
             logger.warning(line)
     rates = Rates(tokens_per_step, dims.world_size, model_args.flops_per_token(cfg.data.seq_len),
                   device.peak_tflops(dev_type))
@@ -380,6 +387,9 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
         log_step(metrics, result, logs, loader, metric_logger, cfg, dims,
                  eta=(time.perf_counter() - start) / done * (len(steps) - done))
         if stop.requested():
+            if dims.simulated:  # one rank of N: nothing a resume could use
+                logger.info("stopping at step %d on %s (a simulated run saves no checkpoint)", step, stop.name)
+                break
             stop.path = checkpoint(step)
             logger.info("stopping at step %d on %s after saving a checkpoint", step, stop.name)
             break
@@ -396,7 +406,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     stop.restore()
     gc_off.restore()
     metric_logger.close()
-    if dims.rank == 0:
+    if dims.writer:
         logger.info("done: %d of %d steps (%d in this process, %s), %s tokens in all; run directory: %s",
                     history[-1]["step"] if history else first_step - 1, cfg.train.steps, len(history),
                     datetime.timedelta(seconds=round(time.perf_counter() - start)), f"{tokens_total:,}", run_dir.path)
@@ -406,10 +416,15 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
 
 # ------------------------------------------------------------------------------------------ set-up steps
 def start_processes(cfg: TrainConfig, dev_type: str) -> tuple[parallelisms.ParallelDims, torch.device]:
-    """The process group (under torchrun), the layout's meshes and this rank's device."""
+    """The process group (under torchrun, or the loopback world of launch.simulate_world), the layout's meshes and
+    this rank's device."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if cfg.launch.simulate_world:
+        world_size, rank = cfg.launch.simulate_world, cfg.launch.simulate_rank
+        parallelisms.init_loopback_world(world_size, rank, dev_type)
     parallelisms.init_distributed(dev_type, cfg.parallel)
-    dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type)
+    dims = parallelisms.build_parallel_dims(cfg.parallel, world_size, rank, dev_type,
+                                            simulated=cfg.launch.simulate_world > 0)
     return dims, device.local_device(dev_type)
 
 
@@ -456,7 +471,9 @@ def open_run_dir(cfg: TrainConfig, dims: parallelisms.ParallelDims, run_scope: c
 
     path, start = on_rank0(dims, choose)
     run_dir = RunDir(Path(path), checkpoint_root(cfg, Path(path)), start)
-    run_scope.enter_context(run_logs(run_dir.path, dims.rank, cfg.logging.all_ranks))
+    if dims.simulated:  # the run directory says what it holds: one simulated rank's log and metrics
+        run_dir.record.simulated = f"rank {dims.rank} of {dims.world_size}"
+    run_scope.enter_context(run_logs(run_dir.path, 0 if dims.writer else dims.rank, cfg.logging.all_ranks))
     return run_dir
 
 
@@ -511,16 +528,16 @@ def continues(run_dir: RunDir, run_config: dict[str, Any], global_batch: int, cf
     source = start.checkpoint or run_dir.path / "config.yaml"
     if start.state is not None or start.previous_config is not None:
         check_resumed_config(start.state or {"config": start.previous_config}, run_config, global_batch,
-                             cfg.train.allow_changes, source, dims.rank == 0)
+                             cfg.train.allow_changes, source, dims.writer)
     done = start.state["step"] if start.state is not None else 0
     if start.record is not None and start.record.finished and (start.state is None or done >= cfg.train.steps):
-        if dims.rank == 0:
+        if dims.writer:
             logger.info("run %s is finished (step %d of train.steps=%d; its checkpoints: %s): nothing to do. To "
                         "train on, raise train.steps with train.allow_changes=[train.steps], or start afresh in "
                         "another train.output_dir", run_dir.path, start.record.step, cfg.train.steps,
                         run_dir.start.checkpoint or "none")
         return False
-    if start.state is None and start.previous_config is not None and dims.rank == 0:
+    if start.state is None and start.previous_config is not None and dims.writer:
         logger.info("train.resume=auto: the run in %s wrote no checkpoint (under %s); its config matches, "
                     "starting it again from step 1", run_dir.path, run_dir.ckpt_root)
     return True
@@ -553,7 +570,7 @@ def build_model(cfg: TrainConfig, spec: models.ModelSpec, model_args: Any, dims:
     model.train()
     kernels = select_kernels(cfg.kernel_config, dev_type)  # a missing requested package fails here, on every rank
     slots = apply_kernels(model, kernels)
-    if dims.rank == 0:
+    if dims.writer:
         kernels.log(logger)
         delta_rule = kernels.choices["chunk_gated_delta_rule"]
         if dev_type == "cuda" and slots.get("chunk_gated_delta_rule") and delta_rule.impl == "torch":
@@ -583,7 +600,7 @@ def restore(start: Start, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     load_checkpoint(start.checkpoint, model, optimizer, state.get("files"))
     loader.load_state_dict(state["loader"], allow_changes)
     set_rng_state(state["rng"], dev_type)
-    if dims.rank == 0:
+    if dims.writer:
         logger.info("resumed from %s at step %d", start.checkpoint, state["step"])
     # tokens_total is recorded since issue 21: older checkpoints trained every step at this batch
     tokens_total = state.get("tokens_total", state["step"] * tokens_per_step)
@@ -594,10 +611,10 @@ def begin(run_dir: RunDir, run_config: dict[str, Any], cfg: TrainConfig, dims: p
           first_step: int) -> MetricLogger:
     """Only now, with the resume known good, is anything of the run directory rewritten: config.yaml, the
     record (and what train.discard_newer discards), the metric sinks."""
-    if dims.rank == 0:
+    if dims.writer:
         atomic_write_text(run_dir.path / "config.yaml", rerunnable_config(run_config))
-    run_dir.begin(first_step - 1, dims.rank == 0)
-    return MetricLogger(run_dir.path, cfg.logging, enabled=dims.rank == 0,
+    run_dir.begin(first_step - 1, dims.writer)
+    return MetricLogger(run_dir.path, cfg.logging, enabled=dims.writer,
                         keep_until=first_step - 1 if run_dir.start.checkpoint else None, run_config=run_config)
 
 
@@ -611,7 +628,7 @@ class Rates(NamedTuple):
 
 def step_metrics(step: int, result: StepResult, lr: float, rates: Rates, attended: float, tokens_total: int,
                  step_time: float, data_time: float, dev_type: str) -> dict[str, Any]:
-    """``attended``: FLOPs per token over the attention pairs the step's windows computed (docs/benchmarks.md)."""
+    """``attended``: FLOPs per token over the attention pairs the step's windows computed (docs/lab/benchmarks.md)."""
     tokens = rates.tokens_per_step
     per_device = tokens / step_time / rates.world_size
     return {
@@ -646,7 +663,7 @@ def log_step(metrics: dict[str, Any], result: StepResult, logs: StepLogs, loader
              cfg: TrainConfig, dims: parallelisms.ParallelDims, eta: float) -> None:
     """The step's metric line, its routing record (as ``logs`` says) and, for a skipped step, a warning."""
     step = metrics["step"]
-    if metrics["skipped"] and dims.rank == 0:
+    if metrics["skipped"] and dims.writer:
         logger.warning("step %d skipped: loss=%s, grad_norm=%s: not finite, no update (train.nonfinite=skip)",
                        step, result.loss, result.grad_norm)
     if logs.routing:
@@ -655,7 +672,7 @@ def log_step(metrics: dict[str, Any], result: StepResult, logs: StepLogs, loader
         metrics.update(moe_metrics(result.routing_LX))
         metrics.update(loader.mixture_metrics())  # each data source's realised share (a mixture only)
         metric_logger.log(metrics)
-        if dims.rank == 0:
+        if dims.writer:
             logger.info(progress_line(metrics, cfg.train.steps, eta))
 
 
@@ -669,7 +686,7 @@ def finish(run_dir: RunDir, model: torch.nn.Module, spec: models.ModelSpec, toke
         if saved_at != last_step and cfg.checkpoint.at_end and last_step > 0:
             kept = checkpoint(last_step)
         try:
-            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.rank == 0)
+            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.writer)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; " + (f"the trained state is in checkpoint {kept}: make room and run again "
                                               "with train.resume=auto to write the weights" if kept else
@@ -677,7 +694,7 @@ def finish(run_dir: RunDir, model: torch.nn.Module, spec: models.ModelSpec, toke
     if cfg.checkpoint.export_hf_at_end:
         export_hf(model, spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(tokenizer),
                   source=cfg.model.init_from)
-    run_dir.finished(last_step, dims.rank == 0)
+    run_dir.finished(last_step, dims.writer)
 
 
 class ManualGC:

@@ -141,6 +141,14 @@ def peak_memory_gib(dev_type: str) -> float:
     return module(dev_type).max_memory_allocated() / 2**30
 
 
+def capacity_gib(dev_type: str) -> float | None:
+    """This process's accelerator's memory (None on CPU)."""
+    if dev_type == "cpu":
+        return None
+    mod = module(dev_type)
+    return mod.get_device_properties(mod.current_device()).total_memory / 2**30
+
+
 # Dense bf16 peak of one device, for MFU, by a part of its name (the first match counts, so longer names first).
 # Unknown devices report mfu 0 rather than a made-up number. Ascend: torch_npu.npu.get_device_name(); A2 is the
 # Ascend910B1..B4, A3 Ascend910_93xx (one of an Ascend 910C's two dies per device, each with a 910B's cube units).

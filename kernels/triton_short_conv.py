@@ -20,7 +20,7 @@ from kernels.attention import Documents
 Tensor = torch.Tensor
 
 # Tiles (tokens, channels, warps), fixed rather than autotuned: no tuning pass at the first call, the same launch
-# on every run. The fastest of those timed on an H200 by scripts/bench_deltanet.py --conv-tiles (docs/benchmarks.md).
+# on every run. The fastest of those timed on an H200 by scripts/bench_deltanet.py --conv-tiles (docs/lab/benchmarks.md).
 FWD_TILE = (32, 128, 4)
 BWD_TILE = (64, 64, 4)  # the weight gradient keeps one partial sum per tile of tokens
 

@@ -59,6 +59,13 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> ParallelSizes:
 class ParallelDims(ParallelSizes):
     rank: int = 0
     meshes: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False)  # empty for one process
+    simulated: bool = False  # the loopback world (parallelisms.loopback): this process is the job's only one
+
+    @property
+    def writer(self) -> bool:
+        """Whether this process writes the run's shared files (log, record, metrics): rank 0, or a simulated
+        rank, which has no peer process to do it."""
+        return self.rank == 0 or self.simulated
 
     def mesh(self, name: str) -> DeviceMesh:
         """A named mesh: a dimension (dp, cp, mp_shard, efsdp, ep, ...), a whole layout (data, model,
@@ -104,11 +111,13 @@ def init_distributed(device_type: str, cfg: ParallelConfig) -> None:
                             device_id=device_id)
 
 
-def build_parallel_dims(cfg: ParallelConfig, world_size: int, rank: int, device_type: str) -> ParallelDims:
-    """Sizes from the (validated) config, and every mesh when there is more than one process."""
+def build_parallel_dims(cfg: ParallelConfig, world_size: int, rank: int, device_type: str,
+                        simulated: bool = False) -> ParallelDims:
+    """Sizes from the (validated) config, and every mesh when there is more than one rank. ``simulated``: the
+    ranks are the loopback world's."""
     sizes = resolve_sizes(cfg, world_size)
     meshes = _build_meshes(sizes, device_type) if world_size > 1 else {}
-    return ParallelDims(**vars(sizes), rank=rank, meshes=meshes)
+    return ParallelDims(**vars(sizes), rank=rank, meshes=meshes, simulated=simulated)
 
 
 def _build_meshes(s: ParallelSizes, device_type: str) -> dict[str, DeviceMesh]:

@@ -16,7 +16,7 @@ tokens; ``lognormal:MEDIAN,SIGMA`` lengths drawn (``--seed``) from a log-normal 
 1 token; each ended by ``--vocab`` (Qwen's <|endoftext|>, never drawn as a random id) and read with
 ``data.eos_id`` so position ids restart per document; ``chitchat`` the Chit-Chat corpus through the data
 pipeline (real conversations, ChatML). Windows are cut from the stream, so a document may straddle two windows.
-"attended MFU" counts only the attention pairs computed (each document's causal half, docs/benchmarks.md) and the
+"attended MFU" counts only the attention pairs computed (each document's causal half, docs/lab/benchmarks.md) and the
 LM head over trained labels only, so packed and causal rows compare fairly; tokens/s stays the headline. Free disk
 space of the output and Triton cache directories is printed at start and end (a full disk fails a checkpoint write
 with ``unexpected pos``).
@@ -27,6 +27,13 @@ grouped GEMMs' shapes; ``balanced`` routes every token round robin (``model.arch
 expert loads whatever the data), so rows of different data compare the data path alone.
 
     python scripts/bench.py --layers 4 --seq-len 32768 --local-batch 1 --docs fixed:2048
+
+train.py overrides may stand anywhere on the line (``--layers 4 optim.lr=3e-4 --docs chitchat``). Each invocation
+writes its cells and ``bench.json`` into a fresh directory under --out (``--out/<date>-<time>``, printed at start),
+so a second bench with the same --out never meets the first one's runs; the tokenized-corpus cache
+(``--out/cache``) is shared. SIGTERM or Ctrl-C is passed on to the running cell's whole process group (train.py, or
+torchrun and its ranks): bench.py waits for them to stop (the trainer stops after its current step, with a
+checkpoint where it has a directory for one), prints the rows done so far and exits 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -84,14 +93,82 @@ def disk_line(when: str, out: Path) -> str:
 
 
 def cell_overrides(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> list[str]:
-    """The train.py overrides of one grid cell (tests/test_docs.py composes the documented bench commands' cells)."""
+    """The train.py overrides of one grid cell, written under ``out`` (this invocation's directory; the data cache is
+    --out's, shared by invocations). tests/test_docs.py composes the documented bench commands' cells."""
     return [f"model={args.model}", f"model.arch.num_hidden_layers={args.layers}", f"parallel={layout}",
             f"dispatcher={dispatcher}", *data_overrides(args, tokens), f"data.seq_len={args.seq_len}",
-            f"data.cache_dir={out / 'cache'}", f"train.local_batch_size={args.local_batch}",
+            f"data.cache_dir={args.out / 'cache'}", f"train.local_batch_size={args.local_batch}",
             f"train.steps={args.steps}", f"train.output_dir={out / f'{layout}-{dispatcher}'}",
             "train.save_final=false", "logging.tensorboard=false", f"logging.profile_step={args.profile_step}",
             f"logging.profile_steps={args.profile_steps}",
             *(["model.arch.router_force_balance=true"] if args.routing == "balanced" else []), *args.extra]
+
+
+class Child:
+    """The running cell's process, in a process group of its own, so that bench.py can pass a signal on to all of
+    it (torchrun and its ranks too) and wait for all of it: without this a SIGTERM to bench.py alone (a scheduler's
+    stop, ``kill``, ``timeout``) ended bench.py and left the trainer training, holding its GPU memory."""
+
+    STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    GROUP_GRACE_S = 60.0  # what is left of the group once the child has exited: a rank still saving, then SIGKILL
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.signum: int | None = None  # the first stop signal bench.py received
+
+    def handle(self, signum: int, frame) -> None:
+        """Record the signal and pass it on to the running cell's group (a second Ctrl-C too: the trainer then
+        stops at once)."""
+        self.signum = self.signum or signum
+        if self.process is not None:
+            self._signal_group(signum)
+
+    def _signal_group(self, signum: int) -> bool:
+        """Send ``signum`` to the cell's process group; False once the group has no process left."""
+        try:
+            os.killpg(self.process.pid, signum)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def run(self, command: list[str]) -> int:
+        """Run ``command`` to its end in a new process group (not started after a stop signal) and wait until no
+        process of that group is left: torchrun's ranks may outlive it."""
+        if self.signum is not None:
+            return 128 + self.signum
+        self.process = subprocess.Popen(command, cwd=REPO, start_new_session=True)
+        if self.signum is not None:  # arrived between the check above and the start
+            self._signal_group(self.signum)
+        try:
+            returncode = self.process.wait()
+            deadline = time.monotonic() + self.GROUP_GRACE_S
+            while self._signal_group(0):
+                if time.monotonic() > deadline:
+                    print(f"bench: the cell's processes outlived it by {self.GROUP_GRACE_S:.0f} s: killed",
+                          file=sys.stderr)
+                    self._signal_group(signal.SIGKILL)
+                    break
+                time.sleep(0.1)
+            return returncode
+        finally:
+            self.process = None
+
+
+CHILD = Child()
+
+
+def fresh_run_dir(out: Path) -> Path:
+    """A new directory under ``out`` for this invocation's cells: ``<date>-<time>``, with a suffix if another
+    invocation took that name in the same second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = out / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise SystemExit(f"bench: no free directory name under {out} for {stamp}")
 
 
 def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, tokens: Path) -> dict:
@@ -99,13 +176,14 @@ def run_cell(args: argparse.Namespace, layout: str, dispatcher: str, out: Path, 
     overrides = cell_overrides(args, layout, dispatcher, out, tokens)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
                 if args.nproc > 1 else [sys.executable])
+    returncode = CHILD.run([*launcher, str(REPO / "train.py"), *overrides])
     summary = cell_dir / "profile" / "summary_rank0.md"
-    summary.unlink(missing_ok=True)  # an earlier run's summary must not pass for this one's
-    result = subprocess.run([*launcher, str(REPO / "train.py"), *overrides], cwd=REPO)
     if summary.exists():
         print(summary.read_text())
-    if result.returncode != 0:
-        return {"layout": layout, "dispatcher": dispatcher, "error": f"exit code {result.returncode}"}
+    if CHILD.signum is not None:
+        return {"layout": layout, "dispatcher": dispatcher, "error": f"stopped by {signal.Signals(CHILD.signum).name}"}
+    if returncode != 0:
+        return {"layout": layout, "dispatcher": dispatcher, "error": f"exit code {returncode}"}
     metrics = [json.loads(line) for line in (cell_dir / "metrics.jsonl").open()]
     # The profiled steps run slower (the profiler's own overhead): they are not averaged.
     profiled = range(args.profile_step, args.profile_step + args.profile_steps) if args.profile_step else range(0)
@@ -144,19 +222,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="token ids and --docs lognormal lengths")
     parser.add_argument("--routing", choices=("learned", "balanced"), default="learned",
                         help="the model's router, or round robin for every token (see above)")
-    parser.add_argument("extra", nargs="*", help="more train.py overrides")
+    parser.add_argument("extra", nargs="*", help="more train.py overrides, anywhere on the line")
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """bench.py's arguments, train.py's overrides among them as train.py takes them: anywhere on the line."""
+    return build_parser().parse_intermixed_args(argv)
+
+
 def main() -> None:
-    args = build_parser().parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    print(disk_line("start", args.out))
-    tokens = args.out / "random_tokens.npy"
+    args = parse_args()
+    for signum in Child.STOP_SIGNALS:
+        signal.signal(signum, CHILD.handle)
+    out = fresh_run_dir(args.out)
+    print(f"bench: this run's cells go under {out}")
+    print(disk_line("start", out))
+    tokens = out / "random_tokens.npy"
     if args.docs != "chitchat":
         write_tokens(args, tokens)
-    rows = [run_cell(args, layout, dispatcher, args.out, tokens)
-            for layout in args.layouts.split(",") for dispatcher in args.dispatchers.split(",")]
+    rows = []
+    for layout in args.layouts.split(","):
+        for dispatcher in args.dispatchers.split(","):
+            if CHILD.signum is None:
+                rows.append(run_cell(args, layout, dispatcher, out, tokens))
     print(f"\n{args.model} x {args.layers} layers, seq {args.seq_len}, local batch {args.local_batch}, "
           f"{args.nproc} process(es), documents {args.docs}, routing {args.routing}, "
           f"mean over steps {args.warmup + 1}..{args.steps}")
@@ -172,8 +261,10 @@ def main() -> None:
         print(f"| {r['layout']} | {r['dispatcher']} | {r['tokens_per_s_per_gpu']:,.0f} | {tflops} | "
               f"{percent(r['mfu'])} | {percent(r['attended_mfu'])} | {r['peak_mem_gib']:.1f} | "
               f"{r['data_share']:.2%} | {r['final_loss']:.3f} |")
-    print(disk_line("end", args.out))
-    (args.out / "bench.json").write_text(json.dumps(rows, indent=2))
+    print(disk_line("end", out))
+    (out / "bench.json").write_text(json.dumps(rows, indent=2))
+    if CHILD.signum is not None:
+        sys.exit(128 + CHILD.signum)
 
 
 if __name__ == "__main__":

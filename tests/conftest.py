@@ -9,10 +9,16 @@ directory, a ``.cache/data`` corpus: what a run writes when no directory is give
 from __future__ import annotations
 
 import copy
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -34,20 +40,75 @@ TINY_MODEL = [
 ]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Stop with one line where transformers would import the PyPI package ``kernels`` (a dependency from
-    transformers 5.25 on): its import name is this repository's kernels/, so every comparison against transformers
-    would fail with an ImportError inside transformers."""
-    try:
-        from transformers.utils.import_utils import is_kernels_available
-    except ImportError:
-        return
-    if is_kernels_available():
-        import transformers
-        raise pytest.UsageError(
-            f"transformers {transformers.__version__} imports the installed PyPI package `kernels`, which this "
-            "repository's kernels/ package shadows: install the test extra's pin (pip install -e '.[test]': "
-            "transformers<5.25) or pip uninstall kernels")
+# ------------------------------------------------------------- transformers beside this repository's kernels/
+
+# transformers 5.25 and later depend on the PyPI package `kernels`, whose import name is also this repository's
+# kernels/: in a process started at the repository root (every test) `import kernels` finds ours. transformers
+# imports `kernels` at import time in one module only, its hub-kernels integration (elsewhere only to kernelize a model
+# with use_kernels=True, which no test does), and keeps what it imported under its own names. So that one module is
+# imported with the PyPI package as `kernels` and ours put back right after: both live in one process, transformers
+# with the objects it imported, our code with ours; a comparison against transformers runs in the test's process.
+# The reference is transformers' torch code: USE_HUB_KERNELS=NO keeps from_pretrained (use_kernels defaults to on
+# from 5.25 where `kernels` is installed) from swapping in kernels fetched from the hub, as transformers' own tests do.
+# Module level, not a pytest hook: the spawned gloo ranks and the tests' subprocesses get both too. A process started
+# outside the repository needs none of this (docs/huggingface.md checks an export that way).
+_HUB_KERNELS = "transformers.integrations.hub_kernels"
+os.environ["USE_HUB_KERNELS"] = "NO"
+
+
+def _pop_kernels() -> dict[str, ModuleType]:
+    """Take ``kernels`` and its submodules, whichever package they come from, out of ``sys.modules``."""
+    return {name: sys.modules.pop(name) for name in list(sys.modules)
+            if name == "kernels" or name.startswith("kernels.")}
+
+
+class _WithTheirKernels(importlib.abc.Loader):
+    """Executes a module with the installed distribution ``kernels`` as ``kernels``, then puts ours back."""
+
+    def __init__(self, loader: importlib.abc.Loader, theirs: importlib.machinery.ModuleSpec) -> None:
+        self.loader, self.theirs = loader, theirs
+
+    def __getattr__(self, name: str):  # get_source etc.: tracebacks through the module show its lines
+        if name == "loader":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        ours = _pop_kernels()
+        try:
+            kernels = importlib.util.module_from_spec(self.theirs)
+            sys.modules["kernels"] = kernels
+            self.theirs.loader.exec_module(kernels)
+            self.loader.exec_module(module)
+        finally:
+            _pop_kernels()
+            sys.modules.update(ours)
+
+
+class _TransformersKernelsFinder(importlib.abc.MetaPathFinder):
+    """Finds transformers' hub-kernels integration as usual and has it executed by ``_WithTheirKernels``, where a
+    ``kernels`` distribution is installed (transformers 5.25+); otherwise leaves the import alone."""
+
+    def find_spec(self, name: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
+        if name != _HUB_KERNELS:
+            return None
+        try:  # the distribution transformers requires (by name, as transformers' is_kernels_available finds it)
+            init = Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not init.is_file():
+            return None
+        theirs = importlib.util.spec_from_file_location("kernels", init, submodule_search_locations=[str(init.parent)])
+        spec.loader = _WithTheirKernels(spec.loader, theirs)
+        return spec
+
+
+if not any(isinstance(finder, _TransformersKernelsFinder) for finder in sys.meta_path):  # imported twice, see above
+    sys.meta_path.insert(0, _TransformersKernelsFinder())
 
 
 # Composed configs by their full override list: Hydra's compose takes ~0.5 s of CPU, and a spawned rank that composes

@@ -267,7 +267,7 @@ def _choose(cfg: KernelConfig, env: Env = HOPPER):
 
 def test_cuda_default_and_named_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     choose = _choose
-    assert choose(KernelConfig()).impl == CUDA_ATTENTION == "varlen_attn"  # measured faster (docs/benchmarks.md)
+    assert choose(KernelConfig()).impl == CUDA_ATTENTION == "varlen_attn"  # measured faster (docs/lab/benchmarks.md)
     for name in ("cudnn_attention", "varlen_attn", "flex_attention", "torch"):
         assert choose(KernelConfig(attention=name)).impl == name
     assert choose(KernelConfig(), Env("cpu")).impl == "torch"

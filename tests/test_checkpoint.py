@@ -30,6 +30,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.torch_apis  # DCP's save and load, exactly
 def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_run_config, tmp_path):
     full = train.run(tiny_run_config("train.steps=6", f"train.output_dir={tmp_path / 'a'}"))
     train.run(tiny_run_config("train.steps=6", "checkpoint.interval=3", f"train.output_dir={tmp_path / 'b'}"))
@@ -51,6 +52,7 @@ def test_keep_last_n_and_auto_resume_picks_the_newest_complete(tiny_run_config, 
     assert find_start("auto", False, tmp_path / "nothing-here", tmp_path / "empty").checkpoint is None
 
 
+@pytest.mark.torch_apis  # dcp.save
 def test_a_failed_save_leaves_the_previous_checkpoint_usable(tiny_run_config, monkeypatch):
     cfg = tiny_run_config("train.steps=4", "checkpoint.interval=2")
     calls = {"n": 0}
@@ -124,6 +126,7 @@ def test_hf_export_at_end_loads_in_transformers_with_the_same_logits(tiny_run_co
     torch.testing.assert_close(hf(ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.torch_apis  # DCP's reader
 def test_export_script_accepts_a_dcp_checkpoint(tiny_run_config, tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = tiny_run_config("train.steps=2", "checkpoint.interval=2")

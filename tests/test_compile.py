@@ -25,6 +25,8 @@ from training.config import check_resume_config, flat_config, schema_defaults
 from tests.conftest import compose_config
 from tests.dist_utils import load_full_weights, run_distributed, synthetic_batches, train_steps
 
+pytestmark = pytest.mark.torch_apis  # torch.compile
+
 BACKEND = "aot_eager_decomp_partition"
 ARCH = dict(vocab_size=256, hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
             num_attention_heads=4, num_key_value_heads=2, router_aux_loss_coef=0.01)

@@ -38,6 +38,8 @@ from tests.test_attention import use_attention
 from training.data.packing import context_shard
 from training.data.tokenizer import QwenTokenizer
 
+pytestmark = pytest.mark.torch_apis  # DTensor, FSDP2, context parallelism on gloo ranks
+
 WORLD, STEPS, SEQ, GLOBAL_BATCH, EOS = 8, 3, 32, 8, 0
 PRESETS = ["cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2"]  # every CP preset that fits 8 ranks
 # Activation checkpointing around the all-to-alls: recomputed (full; both mixers) and kept (selective). Qwen3.5 is

@@ -22,6 +22,8 @@ from parallelisms.dispatchers.eager import EagerDispatcher
 from parallelisms.expert_parallel import apply_expert_parallel
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.torch_apis  # EP all-to-alls and grouped_mm on gloo ranks
+
 E, D, I, K, WORLD = 8, 8, 4, 2, 4
 # fp32 round-off of two summation orders, which grows with the values (up to ~40 here, where an ulp is 3.8e-6):
 # expert gradients sum every rank's rows (the EP run in one grouped GEMM per received block, domino in one per

@@ -29,6 +29,8 @@ from parallelisms.expert_parallel import apply_expert_parallel, may_drop_rows, r
 from tests.dist_utils import run_distributed
 from tests.test_dispatch import ATOL, RTOL, D, E, I, _experts_NK
 
+pytestmark = pytest.mark.torch_apis  # EP all-to-alls and grouped_mm on gloo ranks
+
 N = 7
 # case -> capacity_factor: large enough that nothing overflows (the routing sends one peer up to all N*K rows:
 # a factor of ep), or a rank's mean share with room for random routing's imbalance.

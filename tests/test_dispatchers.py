@@ -52,6 +52,8 @@ from tests.test_dispatch import CASES, D, E, I, K, _errors, _experts_NK, check_e
 from tests.test_parallel_train import train_config, write_inputs
 from training.config import validate
 
+pytestmark = pytest.mark.torch_apis  # EP all-to-alls, grouped_mm, FSDP2 on gloo ranks
+
 ROUTINGS = [*CASES, "one_token", "top1", "top4"]
 NPU_ROUTINGS = [case for case in ROUTINGS if case != "top1"]  # MC2 takes top-k 2..8
 E2E_RUNS = {"fused": ["dispatcher=fused"], "domino": ["dispatcher=domino"],

@@ -1,6 +1,7 @@
 """The docs cannot drift from the code: every Hydra override in a command of a fenced shell block of README.md,
 DEVELOPERS.md and docs/*.md composes against conf/ and passes train.py's checks that need no files, every relative
-link resolves (its ``#anchor`` to a heading), and every key of the schema is in docs/configuration.md.
+link resolves (its ``#anchor`` to a heading), every key of the schema is in docs/configuration.md, and every figure
+the README's results sections quote is a figure of docs/results.md (the page of current measurements).
 
 Which commands: a line (backslash continuations joined, ``&&`` / ``;`` / ``|`` / ``&`` splitting it) whose command
 word is ``python``/``python3``/``torchrun`` running ``train.py``, ``scripts/plan.py`` or ``scripts/bench.py``, or
@@ -36,7 +37,7 @@ from tests.conftest import CONF_DIR, REPO
 from training.config import TrainConfig, register_schema, to_train_config, validate
 from training.planner import PlanConfig
 
-DOC_FILES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").glob("*.md"))]
+DOC_FILES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/lab/ too
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console"}
 PYTHON_ENTRIES = ("train.py", "scripts/plan.py", "scripts/bench.py")
 PYTHON_COMMANDS = {"python", "python3", "torchrun"}
@@ -222,7 +223,7 @@ def _bench_cells(command: Command) -> list[tuple[list[str], int]]:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     try:
-        args = bench.build_parser().parse_args(list(command.args))
+        args = bench.parse_args(list(command.args))
     except SystemExit as e:
         raise ValueError(f"scripts/bench.py refuses its arguments {' '.join(command.args)}") from e
     out, tokens = Path("/nonexistent/bench"), Path("/nonexistent/bench/random_tokens.npy")
@@ -428,3 +429,76 @@ def test_every_config_key_is_in_the_configuration_page(hydra_conf) -> None:
     tree = OmegaConf.to_container(compose(config_name="config"), resolve=False)
     missing = [k for k in leaves(tree, "") if f"`{k}`" not in page and not k.endswith(".name")]
     assert not missing, f"docs/configuration.md does not document {missing}"
+
+
+# --------------------------------------------------------------------------------------------------- figures
+
+RESULTS = REPO / "docs" / "results.md"
+# The README's sections that quote measurements; each must link docs/results.md and name its card.
+README_RESULTS_SECTIONS = ("Why: the numbers", "One GPU: what is fast and what fits")
+# A figure: a number with a thousands separator or a decimal point (116,921, 52.9, 1.00x, 2.11.0), or a date.
+# Plain integers are left out: in prose they are settings (4 layers, seq 4096, top-8), not measurements.
+_FIGURE = re.compile(r"\d{4}-\d{2}-\d{2}|\d+(?:[.,]\d+)+")
+
+
+def figures(text: str) -> set[str]:
+    """The figures of ``text`` outside fenced blocks, each whole (116,921 is not 16,921)."""
+    return set(_FIGURE.findall("\n".join(_outside_fences(text))))
+
+
+def sections(text: str, titles: tuple[str, ...]) -> dict[str, str]:
+    """The body of each heading titled ``titles`` (up to the next heading of any level), where it exists."""
+    found, title = {}, None
+    for line in _outside_fences(text):
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            title = heading.group(1) if heading.group(1) in titles else None
+            if title is not None:
+                found[title] = ""
+        elif title is not None:
+            found[title] += line + "\n"
+    return found
+
+
+def unquoted_figures(readme: str, results: str) -> list[str]:
+    """``README.md, <section>: why`` for every figure of the README's results sections that docs/results.md does not
+    hold, every such section missing, and every one that does not link docs/results.md or name its card."""
+    known, errors = figures(results), []
+    found = sections(readme, README_RESULTS_SECTIONS)
+    for title in README_RESULTS_SECTIONS:
+        if title not in found:
+            errors.append(f"README.md has no section '{title}' (tests/test_docs.py: README_RESULTS_SECTIONS)")
+            continue
+        body = found[title]
+        if "](docs/results.md" not in body:
+            errors.append(f"README.md, '{title}': does not link docs/results.md, where its figures come from")
+        if not re.search(r"\bH[12]00\b", body):
+            errors.append(f"README.md, '{title}': names no card (H100, H200)")
+        errors += [f"README.md, '{title}': {figure} is not in docs/results.md (add its row there, or quote a figure "
+                   f"that is)" for figure in sorted(figures(body) - known)]
+    return errors
+
+
+def test_the_readme_quotes_only_figures_of_the_results_page() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert not unquoted_figures(readme, RESULTS.read_text()), "\n".join(unquoted_figures(readme, RESULTS.read_text()))
+    quoted = {title: figures(body) for title, body in sections(readme, README_RESULTS_SECTIONS).items()}
+    assert all(len(f) >= 10 for f in quoted.values()), quoted  # the check has figures to bite on
+
+
+def test_a_readme_figure_edited_alone_is_reported() -> None:
+    readme, results = (REPO / "README.md").read_text(), RESULTS.read_text()
+    figure = "70,501"  # the one-GPU 8-layer row, quoted once
+    assert readme.count(figure) == 1
+    assert figure in sections(readme, README_RESULTS_SECTIONS)["One GPU: what is fast and what fits"]
+    edited = readme.replace(figure, "70,502")
+    assert unquoted_figures(edited, results) == [
+        "README.md, 'One GPU: what is fast and what fits': 70,502 is not in docs/results.md (add its row there, "
+        "or quote a figure that is)"]
+    assert unquoted_figures(readme.replace("52.9", "52.8"), results)  # a peak GiB
+    assert unquoted_figures(readme.replace("2026-12-06", "2026-12-07"), results)  # a date
+    # A figure only in a longer one of the page does not count: 16,921 is not 116,921.
+    assert unquoted_figures(readme, results.replace("116,921", "1,116,921"))
+    assert any("no section 'Why: the numbers'" in e
+               for e in unquoted_figures(readme.replace("## Why: the numbers", "## Why"), results))
+    assert any("names no card" in e for e in unquoted_figures(re.sub(r"\bH[12]00\b", "GPU", readme), results))

@@ -28,6 +28,8 @@ from tests.dist_utils import (assert_same_curve, debug_model_args, fsdp_param_gr
                               run_distributed, seeded_weights, synthetic_batches, train_steps)
 from training.checkpoint import load_checkpoint, save_checkpoint
 
+pytestmark = pytest.mark.torch_apis  # FSDP2 hooks, DTensor, DCP
+
 WORLD, STEPS, LOCAL_BATCH, SEQ = 2, 3, 2, 16
 SPEC = models.get_spec("qwen3_moe")
 EP2 = ParallelConfig(ep_size=2, backend=BackendConfig())

@@ -27,6 +27,8 @@ from core.safetensors_stream import (_DTYPES, TensorLayout, header, layout_of, s
                                      write_safetensors)
 from tests.dist_utils import debug_model_args, load_full_weights, run_distributed, seeded_weights
 
+pytestmark = pytest.mark.torch_apis  # gathering DTensor shards
+
 SMALL_SHARD = 50_000  # bytes: the debug model's export spans several shards, some boundaries inside a tensor
 
 

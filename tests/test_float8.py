@@ -26,6 +26,8 @@ from parallelisms.float8 import (Candidate, Float8Plan, apply_float8, check_floa
                                  float8_candidates, plan_float8)
 from training.config import TrainConfig, validate
 
+pytestmark = pytest.mark.torch_apis  # torchao's Float8 on torch internals, compile
+
 # Float8Linear is torchao's (the proposed .[float8] extra); the FP8 grouped GEMM and its emulation need only torch.
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (pip install torchao)")

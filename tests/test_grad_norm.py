@@ -14,6 +14,8 @@ from tests.conftest import compose_config
 from tests.dist_utils import (debug_model_args, load_full_weights, loss_share, run_distributed, seeded_weights,
                               synthetic_batches)
 
+pytestmark = pytest.mark.torch_apis  # DTensor norms under FSDP2 / EP
+
 WORLD = 2
 PRESETS = ["ddp", "fsdp2", "hsdp", "ep2"]
 

@@ -11,11 +11,16 @@ import importlib.util
 import io
 import itertools
 import json
+import os
 import random
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 
 import train
@@ -168,6 +173,29 @@ def test_exported_run_generates_through_the_pipeline(trained_run, transformers):
     assert len(out[0]["generated_token_ids"]) == len(prompt_ids) + 4
     chat = pipe([{"role": "user", "content": "Hi!"}], max_new_tokens=3, do_sample=False)
     assert chat[0]["generated_text"][-1]["role"] == "assistant"
+
+
+def test_the_documented_check_runs_outside_the_repository_and_decodes_as_ours(trained_run, tmp_path):
+    """docs/huggingface.md's check of an export, run as it says: from a directory outside the repository, with
+    nothing of ours on sys.path, so that `kernels` is whatever transformers installed (the PyPI package from 5.25 on).
+    Each greedy id it prints is our model's argmax after the same ids, up to fp32 round-off between the two."""
+    from models import build_args, get_spec
+    from safetensors.torch import load_file
+
+    script = re.search(r"python - \S+ <<'EOF'\n(.*?)\nEOF\n", (REPO / "docs" / "huggingface.md").read_text(), re.S)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-", str(trained_run / "hf")], input=script.group(1), cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    prompt, greedy = (json.loads(ids) for ids in re.search(r"prompt (\[.*\]) greedy (\[.*\])", out.stdout).groups())
+    assert len(greedy) == 8
+    arch = dict(compose_config(["model=qwen3_moe_debug"]).model.arch)
+    ours = get_spec("qwen3_moe").model_cls(build_args("qwen3_moe", arch))
+    ours.load_state_dict(load_file(trained_run / "run" / "model.safetensors"))
+    with torch.no_grad():
+        logits_V = ours(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1:-1]
+    chosen = logits_V.gather(1, torch.tensor(greedy)[:, None])[:, 0]
+    torch.testing.assert_close(chosen, logits_V.max(dim=1).values, rtol=0, atol=1e-4)
 
 
 def test_export_at_end_writes_the_same_tokenizer_files(trained_run):

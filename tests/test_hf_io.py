@@ -228,6 +228,7 @@ def _dtensor_load_worker(rank: int, world_size: int) -> None:
         assert torch.equal(p.full_tensor(), full[name]), name
 
 
+@pytest.mark.torch_apis
 def test_load_into_dtensor_shards_on_two_gloo_ranks(tmp_path: Path) -> None:
     run_distributed(_dtensor_load_worker, 2)
 
@@ -262,6 +263,7 @@ def _sharded_hf_load_worker(rank: int, world_size: int, hf_dir: str) -> None:
         assert torch.equal(p.full_tensor(), full[name]), name
 
 
+@pytest.mark.torch_apis
 def test_each_rank_reads_its_own_slices_into_an_fsdp_model(tmp_path: Path) -> None:
     export_state_dict_hf(_model().state_dict(), "qwen3_moe", build_args("qwen3_moe", ARCH), tmp_path / "hf",
                          max_shard_bytes=SMALL_SHARD)

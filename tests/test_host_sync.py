@@ -5,7 +5,7 @@ from host data, which is a blocking copy) stalls the host until the device catch
 while the host launches the next kernels. ``torch.cuda.set_sync_debug_mode`` finds them on CUDA only; on CPU this
 test records every op of one train step that would sync on a device (a dispatch mode, which also sees autograd's
 backward and the optimizer) plus every ``Tensor.tolist``, attributes each to the innermost frame of this repository
-(or of torch.optim), and compares the result with the list that stays (docs/benchmarks.md, "Host syncs in the
+(or of torch.optim), and compares the result with the list that stays (docs/lab/benchmarks.md, "Host syncs in the
 step"). A new ``.item()`` anywhere in the step fails it.
 
 The grouped GEMM runs ``torch._grouped_mm`` (the registry's CUDA choice, which also runs on CPU); its CPU reference,
@@ -26,6 +26,8 @@ import train
 import training.optim
 from kernels import installed
 from kernels.grouped_mm import native_grouped_mm
+
+pytestmark = pytest.mark.torch_apis  # torch._grouped_mm, host-syncing ops
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_OPTIM = str(Path(torch.optim.__file__).parent)

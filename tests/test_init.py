@@ -13,6 +13,8 @@ import train
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.torch_apis  # FSDP2 / EP sharded initialisation on gloo ranks
+
 PRESETS = ["fsdp2", "ep2", "ep4", "ep2_edp2"]
 
 

@@ -205,6 +205,7 @@ def test_unknown_device_type() -> None:
         select_kernels(KernelConfig(), "xpu", Env("xpu"))
 
 
+@pytest.mark.torch_apis
 def test_importing_the_registry_loads_no_device_package() -> None:
     # Beyond what torch's compiler loads by itself (torch.compiler.assume_constant_result imports torch._dynamo,
     # which imports triton wherever it is installed: torch 2.11's CUDA wheel brings it)

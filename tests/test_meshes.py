@@ -18,6 +18,8 @@ from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, ex
 from tests.conftest import compose_config
 from tests.dist_utils import debug_model_args, fsdp_param_groups
 
+pytestmark = pytest.mark.torch_apis  # DeviceMesh, FSDP2 and DTensor placements
+
 SPEC = models.get_spec("qwen3_moe")
 
 

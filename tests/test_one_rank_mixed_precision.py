@@ -28,6 +28,8 @@ from tests.test_experts_without_fsdp import _full
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.optim import AdamW
 
+pytestmark = pytest.mark.torch_apis  # FSDP2 mixed precision hooks, DCP
+
 STEPS, BATCH, SEQ = 3, 4, 16
 SPEC = models.get_spec("qwen3_moe")
 SINGLE = ParallelConfig(backend=BackendConfig(name="none"))

@@ -17,6 +17,8 @@ from training.config import OptimConfig, validate
 from parallelisms.grad_norm import clip_coefficient
 from training.optim import AdamW, build_optimizer, clipped_step, queue_step
 
+pytestmark = pytest.mark.torch_apis  # DCP checkpoints of the optimizer state
+
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 STEPS = 20
 

@@ -14,6 +14,8 @@ from models.hf_io import export_hf
 from tests.conftest import compose_config, write_tokens
 from tests.dist_utils import assert_same_curve, run_distributed
 
+pytestmark = pytest.mark.torch_apis  # FSDP2 / EP / CP layouts on gloo ranks
+
 WORLD = 8
 TINY = {  # per family: a tiny architecture on the synthetic 256-token vocabulary
     "qwen3_moe": ["model=qwen3_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",

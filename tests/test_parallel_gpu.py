@@ -12,7 +12,7 @@ import train
 from tests.dist_utils import run_distributed
 from tests.test_parallel_train import train_config, train_worker, write_inputs
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"), pytest.mark.torch_apis]
 WORLD, LOCAL_BATCH = 2, 2
 FP32 = ["ddp", "fsdp2", "ep2", "hsdp"]
 BF16 = {"ep2_bf16": "ep2", "ddp_bf16": "ddp"}

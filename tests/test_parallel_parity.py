@@ -23,6 +23,8 @@ from tests.conftest import compose_config
 from tests.dist_utils import (debug_model_args, load_full_weights, run_distributed, seeded_weights,
                               synthetic_batches, train_steps)
 
+pytestmark = pytest.mark.torch_apis  # FSDP2 / EP layouts on gloo ranks
+
 WORLD = 8
 STEPS, LOCAL_BATCH, SEQ = 3, 2, 16
 # (cp, ep, efsdp) on 8 ranks, so edp = 8 / (cp * ep * efsdp): replication over edp, expert_cp, both, neither.

@@ -22,6 +22,8 @@ from tests.conftest import TINY_MODEL, compose_config, trained_tokens_per_rank, 
 from tests.dist_utils import run_distributed, seeded_weights
 from training.data.tokenizer import QwenTokenizer
 
+pytestmark = pytest.mark.torch_apis  # FSDP2 / EP layouts on gloo ranks
+
 WORLD, LOCAL_BATCH = 4, 2
 PRESETS = ["ddp", "fsdp2", "hsdp", "ep2", "ep4", "ep2_edp2"]
 CHATS = "ep2"  # the layout (dp 4) that also trains on masked chats

@@ -14,6 +14,8 @@ from models.moe import GroupedExperts
 from tests.conftest import our_loss_like_transformers
 from training.loss import router_loss_shares
 
+pytestmark = pytest.mark.torch_apis  # torch._grouped_mm
+
 ARCH = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
             rope_theta=10000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.01, max_position_embeddings=256,

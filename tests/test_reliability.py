@@ -316,6 +316,7 @@ def test_an_impossible_layout_is_one_line_before_torchrun_starts(tmp_path, layou
     assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 3, out.stderr
 
 
+@pytest.mark.torch_apis
 def test_an_error_inside_torchrun_children_is_one_line(tmp_path):
     first = _cli(tmp_path, "train.steps=2", "checkpoint.interval=2", "train.local_batch_size=2")
     assert first.returncode == 0, first.stderr[-2000:]

@@ -286,6 +286,7 @@ def _stop_calls(rank: int, world_size: int) -> list[bool]:
         stop.restore()
 
 
+@pytest.mark.torch_apis
 def test_ranks_stop_at_one_step_on_one_ranks_signal():
     """Several ranks: a signal that reaches one rank during step 3 stops every rank after step 4 (the flag is read
     a step late, so the read never waits for the step's update on the device)."""
@@ -317,6 +318,7 @@ def _child_with_rank(parent: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.torch_apis
 def test_a_rank_killed_under_torchrun_is_one_line_naming_it_and_the_checkpoint(tmp_path):
     proc = subprocess.Popen(_args(tmp_path, "train.steps=100000", "checkpoint.interval=1", "launch.nproc_per_node=2",
                                   "parallel=ep2", "train.local_batch_size=1"),
@@ -382,10 +384,10 @@ def test_warmup_longer_than_the_run_is_named(tiny_run_config, caplog):
 
 
 def test_train_compile_says_what_it_measured() -> None:
-    """The start-up warning of train.compile=true quotes the measurement (docs/benchmarks.md has the row)."""
+    """The start-up warning of train.compile=true quotes the measurement (docs/results.md has the row)."""
     assert config_warnings(compose_config(["train.compile=true"])) == [COMPILE_VERDICT]
     assert config_warnings(compose_config([])) == []
-    assert "99,627" in COMPILE_VERDICT and "99,627" in (REPO / "docs" / "benchmarks.md").read_text()
+    assert "99,627" in COMPILE_VERDICT and "99,627" in (REPO / "docs" / "results.md").read_text()
 
 
 def test_a_sweep_with_a_fixed_output_dir_puts_each_job_under_it(tmp_path):

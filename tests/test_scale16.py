@@ -17,6 +17,8 @@ from models.hf_io import export_hf
 from tests.conftest import compose_config, write_tokens
 from tests.dist_utils import assert_same_curve, run_distributed
 
+pytestmark = pytest.mark.torch_apis  # FSDP2 / EP / CP layouts on 16 gloo ranks
+
 WORLD, STEPS, SEQ, GLOBAL_BATCH = 16, 3, 32, 16
 TINY = {  # per family: the debug preset cut to the synthetic 256-token vocabulary; Qwen3.5 with an expert per rank
     "qwen3_moe": ["model=qwen3_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",

@@ -28,6 +28,8 @@ from tests.dist_utils import _free_port, assert_same_curve
 from tests.test_slurm import (JOB_TIMEOUT_S, REPO, SLURM_DIR, base_env, cluster,  # noqa: F401 (cluster: fixture)
                                slurm, unavailable)
 
+pytestmark = pytest.mark.torch_apis  # torchrun's rendezvous across nodes
+
 GLOBAL_BATCH, STEPS = 8, 3
 
 

@@ -299,7 +299,7 @@ def _nearest_existing(path: Path) -> Path:
 def space_warnings(needs: dict[Path, int]) -> list[str]:
     """One line per file system that has less free space than ``needs`` (path -> bytes to be written under it)
     add up to there: a run that would train for hours and then fail at its save (a checkpoint of a 4-layer
-    Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/benchmarks.md)."""
+    Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/lab/benchmarks.md)."""
     totals: dict[int, list] = {}  # file system -> [a folder on it, bytes]
     for path, size in needs.items():
         where = _nearest_existing(path)

@@ -21,7 +21,7 @@ from parallelisms.float8 import FLOAT8_MODES
 from training.checkpoint import CheckpointConfig
 from training.data.config import DataConfig, validate_data_config
 from training.data.hf_tokenizer import CHOICES as TOKENIZER_CHOICES
-from training.launch import LaunchConfig
+from training.launch import LaunchConfig, simulation_errors
 
 
 @dataclass
@@ -180,6 +180,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.checkpoint.interval >= 0, f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 (0: off)")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     _check(cfg.launch.nproc_per_node >= 1, f"launch.nproc_per_node={cfg.launch.nproc_per_node} must be >= 1")
+    _check(cfg.launch.simulate_world >= 0, f"launch.simulate_world={cfg.launch.simulate_world} must be >= 0 (0: off)")
+    writes = {key: off for key, on, off in (
+        ("train.save_final", t.save_final, "false"), ("checkpoint.interval", cfg.checkpoint.interval > 0, "0"),
+        ("checkpoint.export_hf_at_end", cfg.checkpoint.export_hf_at_end, "false"),
+        ("train.resume", t.resume != "none", "none")) if on}
+    for error in simulation_errors(cfg.launch, writes, cfg.dispatcher.name):
+        raise ValueError(error)
     _check(o.name == "adamw", f"optim.name={o.name!r}: only adamw is implemented")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
@@ -250,7 +257,7 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-# What train.compile measured (docs/benchmarks.md): said at start-up so nobody waits on a compile for nothing.
+# What train.compile measured (docs/results.md): said at start-up so nobody waits on a compile for nothing.
 COMPILE_VERDICT = ("train.compile=true: measured no faster than eager on one H200 (torch 2.11, 4-layer Qwen3-30B-A3B, "
                    "4 x 4,096 tokens: 99,627 vs 102,034 tokens/s; 235B shapes, 1 layer: 80,348 vs 80,585): the "
                    "blocks compile around their eager experts, and the eager path's kernels are already fused; "

@@ -40,10 +40,42 @@ ONE_LINE_ERRORS = (ValueError, OSError, ImportError, FloatingPointError, Checkpo
 @dataclass
 class LaunchConfig:
     nproc_per_node: int = 1  # > 1 and not already under torchrun: re-launch this job with torchrun
+    # > 0: run in this one process as rank simulate_rank of a simulate_world-rank job whose peers are copies of it
+    # (parallelisms/loopback.py; docs/scaling.md): the real job's per-rank work, timed on one device
+    simulate_world: int = 0
+    simulate_rank: int = 0
 
 
 def needs_torchrun(cfg: LaunchConfig) -> bool:
     return cfg.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ
+
+
+# Dispatchers whose exchange a loopback world cannot stand in for: mc2 fuses the all-to-all into HCCL's grouped
+# matmuls (torch_npu's npu_alltoallv_gmm), which talk to the peers themselves.
+UNSIMULATED_DISPATCHERS = ("mc2",)
+
+
+def simulation_errors(launch: LaunchConfig, writes: dict[str, str], dispatcher: str) -> list[str]:
+    """What a loopback simulation (launch.simulate_world) cannot do, each as the line that refuses it. ``writes``:
+    the keys set to write (or resume) a checkpoint, weights or an export, each with the value that turns it off. A
+    simulated checkpoint would hold one rank of N, its peers' shards being copies of its own."""
+    n, r = launch.simulate_world, launch.simulate_rank
+    if n == 0:
+        return [] if r == 0 else [f"launch.simulate_rank={r} needs launch.simulate_world (the simulated job's ranks)"]
+    errors = []
+    if not 0 <= r < n:
+        errors.append(f"launch.simulate_world={n}, launch.simulate_rank={r}: need 0 <= simulate_rank < simulate_world")
+    if launch.nproc_per_node > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        errors.append(f"launch.simulate_world={n} runs in one process: not with launch.nproc_per_node > 1 or under "
+                      "torchrun")
+    if dispatcher in UNSIMULATED_DISPATCHERS:
+        errors.append(f"dispatcher={dispatcher} exchanges rows inside HCCL's fused grouped matmuls, which need real "
+                      f"peers: launch.simulate_world cannot simulate it; use dispatcher=fused")
+    if writes:
+        errors.append(f"launch.simulate_world={n}: a simulated run writes no checkpoint, weights or export and "
+                      f"resumes none (each would hold one rank of {n}); set "
+                      + " ".join(f"{key}={off}" for key, off in writes.items()))
+    return errors
 
 
 @contextlib.contextmanager

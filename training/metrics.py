@@ -192,7 +192,7 @@ ROUTING_EXTRA = 3  # the columns of routing_summary after the 2E per-expert ones
 
 def attended_flops_per_token(args: Any, packed: KnownDocuments | bool, shape_BT: tuple[int, int],
                              trained_fraction: float = 1.0) -> float:
-    """Training FLOPs per token of the attention pairs and LM-head rows actually computed (docs/benchmarks.md,
+    """Training FLOPs per token of the attention pairs and LM-head rows actually computed (docs/lab/benchmarks.md,
     "Attended FLOPs"): the model's ``flops_per_token`` with its attention term (linear in the sequence length:
     ``flops_per_token(1) - flops_per_token(0)`` per attended pair) counted over each document's causal half, sum
     n^2 / 2 over the documents the model is told of (``packed``, as ``models.layers.known_documents`` gives it;

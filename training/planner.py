@@ -41,7 +41,7 @@ class PlanConfig:
     gpus_per_node: int = 8
     nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
     internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
-    # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (docs/benchmarks.md: 350
+    # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (docs/lab/benchmarks.md: 350
     # TFLOP/s as counted there) without its optimizer time, and with the masked half of attention not counted.
     tflops: float = 350.0
     hbm_gb_s: float = 4260.0  # device memory copy rate (the optimizer's time): measured on the H200 (BRIEF)
@@ -118,9 +118,12 @@ def _padded_shard(shape: tuple[int, ...], dim: int, ranks: int) -> int:
     return rows * math.prod(shape) // shape[dim]
 
 
-def fsdp_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes) -> list[Unit]:
+def fsdp_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes, backend: str = "fsdp2") -> list[Unit]:
     """The units of the fsdp2 plan (``parallelisms.parallelize``): embeddings, each block without its experts, the
-    block's experts (split over ep, then sharded over efsdp), final norm + LM head (kept gathered after forward)."""
+    block's experts (split over ep, then sharded over efsdp), final norm + LM head (kept gathered after forward).
+    ``backend`` none or ddp: the same parameters unsharded on every rank (ddp: all-reduced over the world)."""
+    if backend != "fsdp2":
+        return _whole_units(model, spec, s)
     outer = dict(shard_mesh="fsdp", shard_size=s.mp_shard, replicate_mesh="mp_replicate")
 
     def unit(name: str, params: list[torch.Tensor], **kw: Any) -> Unit:
@@ -148,12 +151,21 @@ def fsdp_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes) -> li
     return units
 
 
+def _whole_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes) -> list[Unit]:
+    """parallel.backend none (one process) or ddp: the fsdp2 plan's units, each whole on every rank; under ddp
+    its gradients all-reduced over the world (``replicate_mesh`` world; one rank: none)."""
+    units = []
+    for u in fsdp_units(model, spec, ParallelSizes(1, 1, 1, 1, 1, 1, 1, 1)):
+        units.append(dataclasses.replace(u, shard=u.numel, shard_mesh="none", shard_size=1, replicate_mesh="world"))
+    return units
+
+
 # ----------------------------------------------------------------------------- the machine: which links a group uses
 
 MESH_DIMS = {  # mesh -> (layout, its dims): the unflattenings of parallelisms.dims
     "fsdp": ("model", ("mp_shard",)), "mp_replicate": ("model", ("mp_replicate",)),
     "efsdp": ("expert", ("efsdp",)), "ep": ("expert", ("ep",)), "edp_cp": ("expert", ("edp", "expert_cp")),
-    "cp": ("data", ("cp",)),
+    "cp": ("data", ("cp",)), "world": ("data", ("dp", "cp")), "none": ("data", ()),
 }
 
 
@@ -200,6 +212,8 @@ class StepShape:
     compute_bytes: int  # 2 for bf16 compute, 4 for fp32
     checkpoint: str  # none | full | selective
     dispatcher: str
+    moment_bytes: int = FP32  # AdamW's two moments, each (optim.state_dtype)
+    backend: str = "fsdp2"  # fsdp2 | ddp | none
 
 
 def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: ParallelSizes, step: StepShape,
@@ -299,7 +313,7 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     """
     args, b, N = model.args, step.compute_bytes, step.tokens
     shard = sum(u.shard for u in units)
-    params, grads, optimizer = shard * FP32, shard * FP32, 2 * shard * FP32
+    params, grads, optimizer = shard * FP32, shard * FP32, 2 * shard * step.moment_bytes
     blocks = [block for _, block in spec.named_blocks(model)]
     per_layer = [layer_activations(block, args, s.ep, step.dispatcher) for block in blocks]
 
@@ -331,6 +345,10 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     last = sum(gathered_with_grads(u) + u.numel * b for u in last_block)
     mode = step.checkpoint
     static = params + optimizer
+    if step.backend != "fsdp2":
+        return _unsharded_memory(params, grads, optimizer, activations[mode], recompute[mode], routed_buffers,
+                                 chunk_logits + head_grads, sum(u.numel for u in [*last_block, final]) * FP32,
+                                 shard * b if b != FP32 else 0, step.backend)
     moments = {
         "LM head forward": static + activations[mode] + final.numel * b + chunk_logits + head_grads,
         "last block backward": static + activations[mode] + head_grads + final.numel * b + final.shard * FP32
@@ -342,6 +360,25 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     return Memory(params=params, grads=grads, optimizer=optimizer, activations=activations, recompute=recompute,
                   routed_buffers=routed_buffers, lm_head=chunk_logits + head_grads, fsdp_buffers=last,
                   peak=moments[phase], peak_phase=phase)
+
+
+def _unsharded_memory(params: int, grads: int, optimizer: int, activations: int, recompute: int, routed: int,
+                      lm_head: int, tail_grads: int, compute_copies: int, backend: str) -> Memory:
+    """parallel.backend none or ddp: every parameter whole on each rank. Under bf16 each parameter is also held in
+    bf16 for the step (none: ``parallelisms.compute_copy``'s casts, once per step; ddp: autocast's, kept for
+    backward); ddp's gradient buckets are a second copy of the gradients."""
+    buckets = grads if backend == "ddp" else 0
+    static = params + optimizer + compute_copies
+    moments = {
+        "LM head forward": static + activations + lm_head,
+        "last block backward": static + activations + lm_head + tail_grads + routed + recompute + buckets,
+        "embeddings backward": static + grads + buckets,
+        "optimizer step": params + optimizer + grads + buckets,
+    }
+    phase = max(moments, key=moments.get)
+    return Memory(params=params, grads=grads + buckets, optimizer=optimizer, activations={"configured": activations},
+                  recompute={"configured": recompute}, routed_buffers=routed, lm_head=lm_head,
+                  fsdp_buffers=compute_copies, peak=moments[phase], peak_phase=phase)
 
 
 # ----------------------------------------------------------------------------- the whole plan
@@ -392,8 +429,6 @@ def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, n
     ``default_world``). ``built``: ``build_meta_model(cfg)``, to reuse over many layouts."""
     validate(cfg)
     world = machine.gpus or default_world(cfg, built)[0]
-    if cfg.parallel.backend.name != "fsdp2":
-        raise ValueError(f"parallel.backend.name={cfg.parallel.backend.name!r}: the planner models the fsdp2 plan only")
     spec, model = built or build_meta_model(cfg)
     args = model.args
     validate_parallel_config(cfg.parallel, world, args.num_experts, heads=spec.cp_head_counts(args),
@@ -402,14 +437,16 @@ def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, n
     step = StepShape(tokens=cfg.train.local_batch_size * cfg.data.seq_len // s.cp,
                      micro_batches=cfg.train.grad_accum_steps,
                      compute_bytes=FP32 if cfg.train.mixed_precision == "fp32" else 2,
-                     checkpoint=cfg.parallel.activation_checkpoint, dispatcher=cfg.dispatcher.name)
-    units = fsdp_units(model, spec, s)
+                     checkpoint=cfg.parallel.activation_checkpoint, dispatcher=cfg.dispatcher.name,
+                     moment_bytes=2 if cfg.optim.state_dtype == "bfloat16" else FP32,
+                     backend=cfg.parallel.backend.name)
+    units = fsdp_units(model, spec, s, step.backend)
     comms = collectives(model, spec, units, s, step, machine)
     tokens = step.tokens * step.micro_batches
     recompute = 4 / 3 if step.checkpoint == "full" else 1.0  # the forward (1 of 3 parts) again
     compute_s = tokens * causal_flops_per_token(args, cfg.data.seq_len) * recompute / (machine.tflops * 1e12)
-    # AdamW reads parameter, gradient and both moments and writes three of them back, all fp32.
-    optimizer_s = sum(u.shard for u in units) * 7 * FP32 / (machine.hbm_gb_s * 1e9)
+    # AdamW reads parameter (fp32), gradient (fp32) and both moments and writes parameter and moments back.
+    optimizer_s = sum(u.shard for u in units) * (3 * FP32 + 4 * step.moment_bytes) / (machine.hbm_gb_s * 1e9)
     exposed = sum(c.seconds for c in comms if c.exposed)
     hidden = sum(c.seconds for c in comms if not c.exposed)  # FSDP's, behind the prefetch chain
     step_s = compute_s + exposed + max(0.0, hidden - compute_s) + optimizer_s
@@ -453,3 +490,26 @@ def sweep(cfg: TrainConfig, machine: PlanConfig) -> list[tuple[TrainConfig, Plan
         except ValueError:
             continue  # a layout this model or sequence length does not allow (heads, experts)
     return sorted(plans, key=lambda c_p: (not fits(c_p[1], machine), -c_p[1].tokens_per_s_per_gpu))
+
+
+# The share of a device's memory a run's allocated peak can reach: the rest goes to the CUDA context and the caching
+# allocator's fragmentation (Qwen3.5-35B-A3B shapes, 4 layers: 74.5 GiB allocated ran out of memory on an 80 GB H100).
+FIT_SHARE = 0.9
+
+
+def fit_warnings(cfg: TrainConfig, world: int, capacity_gib: float | None) -> list[str]:
+    """train.py's start-up line when the plan of this run puts a rank's peak over FIT_SHARE of its accelerator's
+    memory (none on CPU, or where the planner does not model the run: dispatcher dedup's traffic, say)."""
+    if capacity_gib is None:
+        return []
+    try:
+        p = plan(cfg, PlanConfig(gpus=world, capacity_gib=capacity_gib))
+    except (ValueError, NotImplementedError):
+        return []
+    if p.memory.peak <= FIT_SHARE * capacity_gib * GiB:
+        return []
+    return [f"the plan puts this rank's peak memory at {p.memory.peak / GiB:.1f} GiB ({p.memory.peak_phase}), over "
+            f"{FIT_SHARE:.0%} of this device's {capacity_gib:.1f} GiB (the rest goes to the CUDA context and "
+            "fragmentation): expect out of memory. What fits: python scripts/plan.py <these overrides> "
+            "plan.sweep=true (activation checkpointing, optim.state_dtype=bfloat16, a smaller "
+            "train.local_batch_size, more ep / fsdp ranks)"]

@@ -4,6 +4,7 @@ device-kernel time by category, compute busy/idle time and exposed communication
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from core import device
+from core.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,28 @@ def summarize(kernels: list[KernelInterval], wall_s: float, steps: int) -> str:
     return "\n".join(lines)
 
 
+def step_profile(kernels: list[KernelInterval], wall_s: float, steps: int, loopback: dict[str, float]) -> dict:
+    """The summary's numbers per step, in ms, for scripts: wall, compute busy (union over streams) and idle, kernel
+    time by category, and the loopback copies by collective (their kernels are counted in the rest too)."""
+    compute = _merge([(k.start_us, k.end_us) for k in kernels if classify(k.name) != COMMUNICATION])
+    by_category: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        by_category[classify(k.name)] += (k.end_us - k.start_us) / 1e3 / steps
+    wall_ms, busy_ms = wall_s * 1e3 / steps, _length(compute) / 1e3 / steps
+    return {"wall_ms": wall_ms, "busy_ms": busy_ms, "idle_ms": max(wall_ms - busy_ms, 0.0),
+            "categories_ms": dict(by_category), "loopback_ms": loopback}
+
+
+def loopback_ms(prof: torch.profiler.profile, steps: int) -> dict[str, float]:
+    """Device time per step of the kernels launched inside each ``loopback <collective>`` range (the loopback
+    world's copies, ``parallelisms.loopback``), by collective; {} when there are none or no device was recorded."""
+    out: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.name.startswith("loopback ") and evt.device_type == torch.autograd.DeviceType.CPU:
+            out[evt.name.removeprefix("loopback ")] += evt.device_time_total / 1e3 / steps
+    return {kind: ms for kind, ms in out.items() if ms > 0}
+
+
 def kernel_intervals(prof: torch.profiler.profile) -> list[KernelInterval]:
     """The device kernels of a stopped profiler (GPU-side user annotations span kernels: left out)."""
     device_types = (torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.PrivateUse1)
@@ -194,7 +218,14 @@ class StepProfiler:
         last = self._first + self._steps - 1
         title = (f"Profile of steps {self._first}..{last}, rank {self._rank}"
                  + ("" if self._host else ", device kernels only (logging.profile_host=false)"))
-        summary = summarize(kernel_intervals(prof), wall_s, self._steps)
+        kernels = kernel_intervals(prof)
+        summary = summarize(kernels, wall_s, self._steps)
+        loopback = loopback_ms(prof, self._steps)
+        if loopback:
+            summary += "\n\n| loopback copies (stand-ins for collectives, launch.simulate_world) | ms/step |\n|---|---|\n" \
+                + "\n".join(f"| {kind} | {ms:.2f} |" for kind, ms in sorted(loopback.items()))
         (self._dir / f"summary_rank{self._rank}.md").write_text(f"# {title}\n\n{summary}\n")
+        atomic_write_text(self._dir / f"summary_rank{self._rank}.json",
+                          json.dumps(step_profile(kernels, wall_s, self._steps, loopback), indent=1))
         if self._rank == 0:
             logger.info("%s (trace and summaries in %s):\n%s", title, self._dir, summary)

@@ -75,6 +75,7 @@ class RunRecord:
     step: int = 0  # the last step trained (as of the last checkpoint, or the end)
     checkpoint: str | None = None  # the newest checkpoint written
     finished: bool = False  # every step of train.steps trained and the final weights written
+    simulated: str | None = None  # "rank r of N": a loopback simulation's (launch.simulate_world), no weights
 
     def roots(self, run_dir: Path) -> list[Path]:
         return [run_dir / d for d in self.checkpoint_dirs]

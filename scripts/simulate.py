@@ -1,0 +1,143 @@
+"""Will my N-GPU job fit, and how fast will it run? Run one of its ranks on this GPU and predict the job.
+
+    python scripts/simulate.py model=qwen3_moe_30b_a3b parallel=ep8 data.seq_len=4096 train.local_batch_size=2 \\
+        parallel.activation_checkpoint=selective optim.state_dtype=bfloat16 sim.world=64
+
+Takes train.py's overrides plus ``sim.*`` (world: the job's ranks; rank: which one, default 0; steps: trained,
+default 8, the last two profiled; routing: balanced (default: ``model.arch.router_force_balance``, the loopback's
+case) or learned; data: random (default: random token ids, no documents) or config (the configured data); out: the
+run directory) and ``plan.*`` (the link model, scripts/plan.py). train.py runs as rank ``sim.rank`` of the job
+under the loopback world (``launch.simulate_world``, parallelisms/loopback.py): the real rank's shards, prefetch
+chains, dispatcher and kernels, every collective replaced by a local copy. The prediction for the real job is
+
+    step = measured step - the all-to-all copies (they stand in for the EP / CP exchanges, on the compute stream)
+           + the planner's time on the links for the exposed exchanges (EP and CP all-to-alls)
+           + whatever of FSDP's all-gathers and reduce-scatters the compute does not hide
+
+under balanced routing, with the planner's link speeds (plan.nvlink_gb_s, plan.internode_gb_s; docs/scaling.md).
+Printed: peak memory measured and planned, the step and its profile, the bytes of each collective, the compute's
+MFU (the trainer's FLOP count, as torchtitan's) and the predicted tokens/s/GPU beside the paper plan's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plan import read_args  # noqa: E402
+
+from core import device  # noqa: E402
+from training.launch import one_line_errors  # noqa: E402
+from training.planner import GiB, plan  # noqa: E402
+
+SIM_KEYS = {"world": 8, "rank": 0, "steps": 8, "routing": "balanced", "data": "random", "out": ""}
+
+
+def sim_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """The ``sim.*`` settings and the other arguments."""
+    sim, rest = dict(SIM_KEYS), []
+    for arg in argv:
+        if not arg.startswith("sim."):
+            rest.append(arg)
+            continue
+        key, _, value = arg.removeprefix("sim.").partition("=")
+        if key not in SIM_KEYS:
+            raise ValueError(f"sim has no key {key!r}; known: {sorted(SIM_KEYS)}")
+        sim[key] = type(SIM_KEYS[key])(value)
+    if sim["routing"] not in ("balanced", "learned") or sim["data"] not in ("random", "config"):
+        raise ValueError(f"sim.routing={sim['routing']} (balanced | learned), sim.data={sim['data']} (random | config)")
+    return sim, rest
+
+
+def main(argv: list[str]) -> None:
+    sim, rest = sim_args(argv)
+    out = Path(sim["out"] or tempfile.mkdtemp(prefix="simulate-"))
+    steps = sim["steps"]
+    overrides = [*rest, f"launch.simulate_world={sim['world']}", f"launch.simulate_rank={sim['rank']}",
+                 f"train.steps={steps}", "train.save_final=false", f"train.output_dir={out / 'run'}",
+                 f"logging.profile_step={steps - 1}", "logging.profile_steps=2", "logging.tensorboard=false",
+                 *(["model.arch.router_force_balance=true"] if sim["routing"] == "balanced" else [])]
+    cfg, machine = read_args(overrides)
+    if sim["data"] == "random":
+        tokens = out / "tokens.npy"
+        out.mkdir(parents=True, exist_ok=True)
+        need = (steps + 1) * cfg.train.local_batch_size * cfg.train.grad_accum_steps * (cfg.data.seq_len + 1) * 2
+        np.save(tokens, np.random.default_rng(0).integers(0, cfg.model.arch["vocab_size"], size=need))
+        cfg, machine = read_args([*overrides, "data=tokens", f"data.path={tokens}", f"data.cache_dir={out / 'cache'}"])
+    machine = dataclasses.replace(machine, gpus=sim["world"])
+    paper = plan(cfg, machine)
+
+    import train  # noqa: PLC0415 (after the arguments are known good: importing torch's stack takes seconds)
+
+    history = train.run(cfg)
+    profile = json.loads((out / "run" / "profile" / f"summary_rank{sim['rank']}.json").read_text())
+    report = predict(cfg, paper, history, profile)
+    (out / "simulation.json").write_text(json.dumps(report, indent=1))
+    print_report(report, sim)
+
+
+def predict(cfg, paper, history: list[dict], profile: dict) -> dict:
+    """The measured rank and the predicted job (see the module docstring)."""
+    timed = [m for m in history if m["step"] >= 3 and m["step"] < len(history) - 1] or history[-2:]
+    step_s = float(np.median([m["step_time_s"] for m in timed]))
+    a2a_s = profile["loopback_ms"].get("all_to_all", 0.0) / 1e3
+    compute_s = step_s - a2a_s
+    exposed_s = sum(c.seconds for c in paper.collectives if c.exposed)
+    hidden_s = sum(c.seconds for c in paper.collectives if not c.exposed)
+    predicted_s = compute_s + exposed_s + max(0.0, hidden_s - compute_s)
+    tokens = paper.tokens_per_gpu
+    flops = tokens * history[-1]["tflops_per_device"] * 1e12 / history[-1]["tokens_per_s_per_device"]
+    peak = device.peak_tflops(cfg.train.device if cfg.train.device != "auto" else device.device_type())
+    return {
+        "world": paper.sizes.world_size, "layout": cfg.parallel.name, "tokens_per_gpu": tokens,
+        "peak_gib": max(m["peak_mem_gib"] for m in history), "planned_peak_gib": paper.memory.peak / GiB,
+        "planned_peak_phase": paper.memory.peak_phase, "step_s": step_s, "a2a_copies_s": a2a_s,
+        "compute_s": compute_s, "compute_tflops": flops / compute_s / 1e12,
+        "mfu": flops / compute_s / (peak * 1e12) if peak else None,
+        "exposed_link_s": exposed_s, "hidden_link_s": hidden_s, "predicted_step_s": predicted_s,
+        "predicted_tokens_per_s_per_gpu": tokens / predicted_s, "plan_tokens_per_s_per_gpu": paper.tokens_per_s_per_gpu,
+        "profile": profile, "final_loss": history[-1]["loss"],
+        "collectives": [{"kind": c.kind, "mesh": c.mesh, "what": c.what, "calls": c.calls,
+                         "bytes_per_gpu": c.bytes // paper.sizes.world_size, "link_s": c.seconds, "exposed": c.exposed}
+                        for c in paper.collectives],
+    }
+
+
+def print_report(r: dict, sim: dict) -> None:
+    p = r["profile"]
+    print(f"\nrank {sim['rank']} of {r['world']} ({r['layout']}, routing {sim['routing']}, {r['tokens_per_gpu']:,} tokens "
+          f"per GPU per step)")
+    print(f"peak memory: {r['peak_gib']:.1f} GiB measured, {r['planned_peak_gib']:.1f} planned "
+          f"({r['planned_peak_phase']})")
+    print(f"step: {r['step_s']:.3f} s measured = compute {r['compute_s']:.3f} s + all-to-all copies "
+          f"{r['a2a_copies_s']:.3f} s; profiled: busy {p['busy_ms']:.1f} ms, idle {p['idle_ms']:.1f} ms of "
+          f"{p['wall_ms']:.1f}")
+    print("kernel time by category (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                         sorted(p["categories_ms"].items(), key=lambda kv: -kv[1])))
+    print("loopback copies (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["loopback_ms"].items())))
+    print("| collective | mesh | what | calls | MiB per GPU | link ms | exposed |\n|---|---|---|---|---|---|---|")
+    for c in r["collectives"]:
+        print(f"| {c['kind']} | {c['mesh']} | {c['what']} | {c['calls']} | {c['bytes_per_gpu'] / 2**20:,.1f} | "
+              f"{c['link_s'] * 1e3:.1f} | {'yes' if c['exposed'] else 'behind compute'} |")
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    print(f"compute: {r['compute_tflops']:.0f} TFLOP/s ({mfu} MFU)")
+    print(f"predicted: {r['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU (step {r['predicted_step_s']:.3f} s = "
+          f"compute + exposed links {r['exposed_link_s'] * 1e3:.1f} ms + unhidden FSDP "
+          f"{max(0.0, r['hidden_link_s'] - r['compute_s']) * 1e3:.1f} ms); paper plan alone: "
+          f"{r['plan_tokens_per_s_per_gpu']:,.0f}")
+
+
+if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
+    with one_line_errors():
+        main(sys.argv[1:])
