@@ -31,9 +31,9 @@ import parallelisms
 from core import device
 from core.files import atomic_write_text, remove, stale_temporaries
 from kernels.registry import apply_kernels, select_kernels
-from models.causal_lm import trained_rows
-from models.hf_io import (args_from_hf_config, check_export_dir, check_hf_into_model, export_hf, load_hf_into_model,
-                          preset_differences, read_hf_config)
+from models.causal_lm import MtpBatch, mtp_batch, trained_rows
+from models.hf_io import (args_from_hf_config, check_export_dir, check_export_source, check_hf_into_model, export_hf,
+                          load_hf_into_model, preset_differences, read_hf_config)
 from models.layers import known_documents
 from parallelisms.float8 import apply_float8
 from training.checkpoint import (CheckpointError, load_checkpoint, rng_state, save_checkpoint, save_model_weights,
@@ -66,8 +66,10 @@ def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
     if m.init_from is None:
         return models.get_spec(m.model_type), models.build_args(m.model_type, dict(m.arch))
     hf_config = read_hf_config(m.init_from)
-    if m.name == "hf":
+    if m.name == "hf":  # model.arch keys given as well (a training knob: mtp_loss_weight) apply over config.json's
         model_type, args = args_from_hf_config(hf_config)
+        if m.arch:
+            args = models.build_args(model_type, {**dataclasses.asdict(args), **m.arch})
         return models.get_spec(model_type), args
     args = models.build_args(m.model_type, dict(m.arch))
     for line in preset_differences(args, hf_config):
@@ -160,6 +162,20 @@ class StepResult(NamedTuple):
     updated: bool
     # per MoE layer, the global batch's, on the host (training.metrics.reduce_routing); None where not asked for
     routing_LX: torch.Tensor | None
+    mtp_loss: float | None = None  # the MTP head's mean token cross-entropy, where it trains
+
+
+def mtp_loss_weight(model: torch.nn.Module) -> float:
+    """model.arch.mtp_loss_weight of a model with an MTP head (one is built only where it is > 0), else 0."""
+    return model.args.mtp_loss_weight if model.mtp is not None else 0.0
+
+
+def global_count(labels: list[torch.Tensor], dims: parallelisms.ParallelDims) -> torch.Tensor:
+    """The trained labels (!= -100) of the global batch: every data rank's micro-batches (at least 1)."""
+    count = torch.stack([(b != IGNORE_INDEX).sum() for b in labels]).sum().float()
+    if dims.data_group is not None:
+        dist.all_reduce(count, group=dims.data_group)
+    return count.clamp(min=1.0)
 
 
 def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer: torch.optim.Optimizer,
@@ -169,25 +185,27 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
     optimizer, the schedule and the routers' balancing biases (``args.router_bias_update_rate``). ``routing``: also
     bring the routing summary to the host (a step that logs it: one more small all-reduce under data parallelism)."""
     # Normalise by the global count of trained tokens so every layout optimises the same objective.
-    num_tokens = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum().float()
-    if dims.data_group is not None:
-        dist.all_reduce(num_tokens, group=dims.data_group)
-    num_tokens = num_tokens.clamp(min=1.0)
-    ce_share = aux_share = z_share = routing_LX = 0.0
+    num_tokens = global_count([b["labels"] for b in batches], dims)
+    mtp_weight = mtp_loss_weight(model)  # the MTP head's cross-entropy: the same, over its own trained labels
+    num_mtp_tokens = global_count([b["mtp"].labels_BT for b in batches], dims) if mtp_weight else None
+    ce_share = aux_share = z_share = mtp_share = routing_LX = 0.0
     summarise = routing or args.router_bias_update_rate > 0  # the summary's readers: the logs, the bias update
     for batch in batches:
         with autocast:
             out = model(batch["input_ids"], batch["position_ids"], batch["labels"], packed=batch["packed"],
-                        trained_rows=batch["trained_rows"])
+                        trained_rows=batch["trained_rows"], mtp=batch["mtp"] if mtp_weight else None)
         ce = out.loss_sum / num_tokens
+        mtp = out.mtp_loss_sum / num_mtp_tokens if mtp_weight else torch.zeros_like(ce)
         aux, z = (share / len(batches) for share in router_loss_shares(out.router_stats, args.num_experts,
                                                                          dims.data_group))
-        ((ce + args.router_aux_loss_coef * aux + args.router_z_loss_coef * z) * dims.grad_scale).backward()
+        ((ce + mtp_weight * mtp + args.router_aux_loss_coef * aux + args.router_z_loss_coef * z)
+         * dims.grad_scale).backward()
         ce_share, aux_share, z_share = ce_share + ce.detach(), aux_share + aux.detach(), z_share + z.detach()
+        mtp_share = mtp_share + mtp.detach()
         if summarise:
             routing_LX = routing_LX + routing_summary(out.router_stats)
     grad_norm = parallelisms.grad_norm(model, dims)
-    losses = torch.stack([ce_share, aux_share, z_share])
+    losses = torch.stack([ce_share, aux_share, z_share, mtp_share])
     if dims.data_group is not None:
         dist.all_reduce(losses, group=dims.data_group)
     # Queued before the read below, so complete after it.
@@ -199,9 +217,9 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
     # decide and launch. Not under dispatcher=capacity, whose overflow the host learns of only after the read.
     queued = update and not parallelisms.may_drop_rows(model) and queue_step(optimizer, cfg.optim.grad_clip,
                                                                                grad_norm, losses)
-    loss, aux_loss, z_loss, norm = read_stats().tolist()  # the step's one host sync
+    loss, aux_loss, z_loss, mtp_loss, norm = read_stats().tolist()  # the step's one host sync
     parallelisms.raise_if_dispatch_overflowed(model)  # dispatcher=capacity: a step that dropped rows is not applied
-    finite = all(map(math.isfinite, (loss, aux_loss, z_loss, norm)))  # what queue_step decided on the device
+    finite = all(map(math.isfinite, (loss, aux_loss, z_loss, mtp_loss, norm)))  # as queue_step decided on the device
     if queued and not finite:
         optimizer.rewind()  # the device did not apply it
     if not finite and cfg.train.nonfinite == "stop":
@@ -216,7 +234,8 @@ def train_step(model: torch.nn.Module, batches: list[dict[str, Any]], optimizer:
             update_expert_biases(model.routers(), routing_LX[:, :args.num_experts], args.router_bias_update_rate,
                                  dims.data_group)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, aux_loss, z_loss, norm, update and finite, routing_host_LX)
+    return StepResult(loss, aux_loss, z_loss, norm, update and finite, routing_host_LX,
+                      mtp_loss if mtp_weight else None)
 
 
 def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | None = None
@@ -226,6 +245,7 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
     checkpoint being resumed."""
     validate(cfg)
     check_outputs_apart(cfg, run_path(cfg))
+    source = cfg.model.init_from  # what the export carries, a resume's too (as_resumed builds from the checkpoint)
     cfg = as_resumed(cfg, resumed)
     spec, model_args = resolve_model(cfg)
     tokenizer = run_tokenizer(cfg, model_args.vocab_size)  # one that does not fit the model or the data fails here
@@ -233,6 +253,8 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
         check_export_requirements(cfg, tokenizer, model_args.vocab_size)
         if cfg.train.output_dir is not None:  # Hydra's own run directory is new: it holds no hf/ yet
             check_export_dir(Path(cfg.train.output_dir) / "hf")  # checked before any step is trained
+        if source is not None:  # the export carries the source's untrained tensors and configs
+            check_export_source(source, spec.model_type, model_args)
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
@@ -348,9 +370,15 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             attended = sum(attended_flops_per_token(model_args, known, tuple(window["input_ids"].shape),
                                                     (window["labels"] != IGNORE_INDEX).double().mean().item())
                            for known, window in zip(packed, windows)) / len(windows)
+            if mtp_loss_weight(model):  # shifted on the whole sequence: across the cp shards as in one process
+                windows = [{**window, **mtp_batch(window["input_ids"], window["labels"], window["position_ids"])}
+                           for window in windows]
             shards = [context_shard(window, dims.cp_rank, dims.cp) for window in windows]
             batches = [{**device.to_device(shard, dev), "packed": known,
                         "trained_rows": trained_rows(shard["labels"], dev)} for shard, known in zip(shards, packed)]
+            for batch, shard in zip(batches, shards):
+                batch["mtp"] = (MtpBatch(batch["mtp_input_ids"], batch["mtp_labels"],
+                                         trained_rows(shard["mtp_labels"], dev)) if "mtp_labels" in batch else None)
             data_time = time.perf_counter() - data_start  # host time, overlapping the previous step's optimizer
         lr = scheduler.get_last_lr()[0]
         logs = StepLogs.at(step, cfg, last=step == steps[-1], evaluates=bool(val_batches))
@@ -635,7 +663,7 @@ def step_metrics(step: int, result: StepResult, lr: float, rates: Rates, attende
     per_device = tokens / step_time / rates.world_size
     return {
         "step": step, "loss": result.loss, "aux_loss": result.aux_loss, "z_loss": result.z_loss,
-        "grad_norm": result.grad_norm,
+        **({} if result.mtp_loss is None else {"mtp_loss": result.mtp_loss}), "grad_norm": result.grad_norm,
         "lr": lr, "skipped": step > 0 and not result.updated, "tokens": tokens, "tokens_total": tokens_total,
         "tokens_per_s": tokens / step_time, "tokens_per_s_per_device": per_device,
         "tflops_per_device": per_device * rates.flops_per_token / 1e12,
@@ -695,7 +723,8 @@ def finish(run_dir: RunDir, model: torch.nn.Module, spec: models.ModelSpec, toke
                                               "with train.resume=auto to write the weights" if kept else
                                               "no checkpoint holds the last step (checkpoint.at_end=false)")) from e
     if cfg.checkpoint.export_hf_at_end:
-        export_hf(model, spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(tokenizer))
+        export_hf(model, spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(tokenizer),
+                  source=cfg.model.init_from)
     run_dir.finished(last_step, dims.writer)
 
 

@@ -61,6 +61,15 @@ def _dtype_name(name: str, dtype: torch.dtype) -> str:
     return _DTYPES[dtype][0]
 
 
+def torch_dtype(safetensors_dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``F32``, ``BF16``, ...), as this writer writes it."""
+    for dtype, (name, _) in _DTYPES.items():
+        if name == safetensors_dtype:
+            return dtype
+    raise ValueError(f"safetensors dtype {safetensors_dtype} is not written by this safetensors writer "
+                     f"(supported: {', '.join(name for name, _ in _DTYPES.values())})")
+
+
 def save_file_order(layouts: Mapping[str, TensorLayout]) -> dict[str, TensorLayout]:
     """``layouts`` in the order safetensors' ``save_file`` writes them: descending dtype rank, then name."""
     for name, layout in layouts.items():

@@ -25,6 +25,8 @@ class ModelSpec:
     # Parallel plan (FQNs relative to the causal-LM module).
     embeddings: str = "model.embed_tokens"
     blocks: str = "model.layers"  # ModuleList of decoder blocks (FSDP units)
+    # ModuleList of the blocks of a multi-token-prediction head, where the model has one (``named_blocks``).
+    mtp_blocks: str | None = None
     experts: str = "mlp.experts"  # relative to a block: the GroupedExperts module (EP splits its dim 0)
     final: tuple[str, ...] = ("model.norm", "lm_head")  # run after the last block
     # Context parallelism (Ulysses) splits heads: per token mixer, (model.arch key of the heads split over cp, key
@@ -37,12 +39,18 @@ class ModelSpec:
     hf_export_type: str | None = None  # export as this registered model_type instead (e.g. multimodal -> text)
 
 
+    def named_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(FQN, block) of every decoder block the parallel plan treats alike (FSDP unit, EP and expert FSDP on its
+        ``experts``, activation checkpointing, compile): the model's, then its MTP head's where it has one."""
+        lists = [self.blocks] + ([self.mtp_blocks] if self.mtp_blocks and _has(model, self.mtp_blocks) else [])
+        return [(f"{name}.{i}", block) for name in lists for i, block in enumerate(model.get_submodule(name))]
+
     def parameter_counts(self, model: nn.Module) -> tuple[int, int]:
         """(total, active per token) parameters of a built (possibly meta) model: of the routed experts' weights a
         token uses num_experts_per_tok / num_experts; everything else (shared experts, attention, embeddings) is
         active."""
         total = sum(p.numel() for p in model.parameters())
-        experts = sum(p.numel() for block in model.get_submodule(self.blocks)
+        experts = sum(p.numel() for _, block in self.named_blocks(model)
                       for p in block.get_submodule(self.experts).parameters())
         args = model.args
         return total, total - experts + experts * args.num_experts_per_tok // args.num_experts
@@ -50,6 +58,14 @@ class ModelSpec:
     def cp_head_counts(self, args: Any) -> list[tuple[str, int, str, int]]:
         """(key, heads split over cp, key, heads they share) of each token mixer, for the parallel checks."""
         return [(split, getattr(args, split), shared, getattr(args, shared)) for split, shared in self.cp_heads]
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -78,11 +94,13 @@ def build_args(model_type: str, arch: dict[str, Any]):
 
 
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))
-# Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model;
-# the vision tower and MTP head match no prefix and are skipped). Both export as the text model.
+# Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model; the
+# vision tower matches no prefix: not trained, carried to the export). Without a source both export as the text model.
+# The MTP head (mtp.*, trained where model.arch.mtp_loss_weight > 0) has the same names in both.
 _QWEN3_5_CP_HEADS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads"))
+_QWEN3_5 = dict(cp_heads=_QWEN3_5_CP_HEADS, hf_names="models.qwen3_5_moe.hf_names", mtp_blocks="mtp.layers")
 register(ModelSpec("qwen3_5_moe_text", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
-                   cp_heads=_QWEN3_5_CP_HEADS, hf_names="models.qwen3_5_moe.hf_names"))
+                   hf_prefixes=(("model.", "model."), ("lm_head.", "lm_head."), ("mtp.", "mtp.")), **_QWEN3_5))
 register(ModelSpec("qwen3_5_moe", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
-                   cp_heads=_QWEN3_5_CP_HEADS, hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head.")),
-                   hf_export_type="qwen3_5_moe_text"))
+                   hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head."), ("mtp.", "mtp.")),
+                   hf_export_type="qwen3_5_moe_text", **_QWEN3_5))

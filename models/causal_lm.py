@@ -5,7 +5,7 @@ any parameter the init loop does not know."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,8 +26,36 @@ FIND_DOCUMENTS = SequenceOp(args=(WholeSequence(dim=-1), Passed()), out=None)
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor | None  # [B, T, V]; None when the loss was asked for instead
-    router_stats: list[RouterStats]  # one per MoE layer
+    router_stats: list[RouterStats]  # one per MoE layer (the MTP head's last, where it ran)
     loss_sum: torch.Tensor | None = None  # fp32 summed token cross-entropy over labels != -100
+    # The MTP head's, where it ran (``mtp`` given): its logits at t (for token t+2) or its summed cross-entropy.
+    mtp_logits: torch.Tensor | None = None
+    mtp_loss_sum: torch.Tensor | None = None
+
+
+class MtpBatch(NamedTuple):
+    """What a multi-token-prediction head reads and predicts at each position t of a batch (``mtp_batch``)."""
+
+    input_ids_BT: torch.Tensor  # token t+1 (the last position: any id, its label is ignored)
+    labels_BT: torch.Tensor  # token t+2, -100 where not trained
+    trained_rows: torch.Tensor | None = None  # as ``trained_rows`` of labels_BT
+
+
+def mtp_batch(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, position_ids: torch.Tensor
+              ) -> dict[str, torch.Tensor]:
+    """The MTP head's ``mtp_input_ids`` and ``mtp_labels`` [B, T] of a whole window (before a context-parallel split,
+    so that the shift by one crosses the cp shards as it does one process's rows). At t: token t+1 (input_ids at
+    t+1) and its label, token t+2 (labels at t+1). Ignored (-100): the last position (no token t+2 in the window),
+    labels ignored for the main loss at t+1, and pairs that cross a document end of packed rows (token t+1 or t+2
+    starts a document, from position ids [B, T] as ``document_ids`` reads them; [3, B, T] ones: one document)."""
+    mtp_labels_BT = labels_BT.roll(-1, dims=1)
+    mtp_labels_BT[:, -1] = IGNORE_INDEX
+    if position_ids.dim() == 2:
+        starts_BT = torch.zeros_like(labels_BT, dtype=torch.bool)  # t > 0 starts a document
+        starts_BT[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        # t+1 or t+2 starts one; the wrap-around reaches only the last position, ignored already.
+        mtp_labels_BT[starts_BT.roll(-1, dims=1) | starts_BT.roll(-2, dims=1)] = IGNORE_INDEX
+    return {"mtp_input_ids": input_ids_BT.roll(-1, dims=1), "mtp_labels": mtp_labels_BT}
 
 
 class LMHead(nn.Linear):
@@ -42,11 +70,18 @@ class LMHead(nn.Linear):
         self.ce_fn: SoftmaxCrossEntropy = softmax_cross_entropy_
 
     def forward(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor | None = None,
-                rows_N: torch.Tensor | None = None) -> torch.Tensor:
+                rows_N: torch.Tensor | None = None, mtp: tuple[torch.Tensor, MtpBatch] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The logits, or with ``labels_BT`` the summed cross-entropy; ``rows_N`` (``trained_rows``): only these
-        flat rows' logits are computed (the others' labels are ignored: no loss, zero gradient)."""
+        flat rows' logits are computed (the others' labels are ignored: no loss, zero gradient). ``mtp``: the MTP
+        head's output and batch; its summed cross-entropy is returned second, from the same call, so that FSDP's
+        hooks gather the shared weight once and reduce its gradient once."""
         if labels_BT is None:
             return super().forward(h_BTD)
+        loss = self.loss_sum(h_BTD, labels_BT, rows_N)
+        return loss if mtp is None else (loss, self.loss_sum(mtp[0], mtp[1].labels_BT, mtp[1].trained_rows))
+
+    def loss_sum(self, h_BTD: torch.Tensor, labels_BT: torch.Tensor, rows_N: torch.Tensor | None) -> torch.Tensor:
         h_ND, labels_N = h_BTD.flatten(0, 1), labels_BT.flatten()
         if rows_N is not None:
             h_ND, labels_N = h_ND.index_select(0, rows_N), labels_N.index_select(0, rows_N)
@@ -79,6 +114,15 @@ class MoeDecoderLayer(nn.Module):
         return x_BTD + moe_BTD, stats
 
 
+class DecoderOutput(NamedTuple):
+    h_BTD: torch.Tensor  # the last block's output, final-normed (what the LM head reads)
+    router_stats: list[RouterStats]
+    mtp_embeds_BTD: torch.Tensor | None  # the embeddings of the MTP head's ids, where asked for
+    cos: torch.Tensor  # the rotary tables and documents the blocks used, for an MTP head's block
+    sin: torch.Tensor
+    docs: Documents | None
+
+
 class MoeDecoder(nn.Module):
     """Embeddings, the blocks and the final norm (transformers' names). A family passes its blocks and norm and
     says in ``rotary_tables`` how position ids become the (cos, sin) its attention takes. Its ``attention`` slot
@@ -100,15 +144,20 @@ class MoeDecoder(nn.Module):
         raise NotImplementedError
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor,
-                packed: bool | KnownDocuments | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
-        h_BTD = self.embed_tokens(input_ids_BT)
+                packed: bool | KnownDocuments | None = None, mtp_ids_BT: torch.Tensor | None = None
+                ) -> DecoderOutput:
+        """``mtp_ids_BT``: ids an MTP head embeds too, in the same call of the embedding (FSDP's hooks run once)."""
+        ids_BT = input_ids_BT if mtp_ids_BT is None else torch.cat((input_ids_BT, mtp_ids_BT))
+        embeds_BTD = self.embed_tokens(ids_BT)
+        h_BTD = embeds_BTD[:len(input_ids_BT)]
         cos, sin = self.rotary_tables(position_ids, h_BTD.dtype)
         docs = self.find_documents(position_ids, packed)
         stats = []
         for layer in self.layers:
             h_BTD, layer_stats = layer(h_BTD, cos, sin, docs)
             stats.append(layer_stats)
-        return self.norm(h_BTD), stats
+        mtp_embeds_BTD = None if mtp_ids_BT is None else embeds_BTD[len(input_ids_BT):]
+        return DecoderOutput(self.norm(h_BTD), stats, mtp_embeds_BTD, cos, sin, docs)
 
     def find_documents(self, position_ids: torch.Tensor, packed: bool | KnownDocuments | None = None
                        ) -> Documents | None:
@@ -128,6 +177,7 @@ class MoeCausalLM(nn.Module):
     def __init__(self, args: Any) -> None:
         super().__init__()
         self.args = args
+        self.mtp: nn.Module | None = None  # a family's multi-token-prediction head, where the model trains one
         self.model = self.decoder_cls(args)
         self.lm_head = LMHead(args.hidden_size, args.vocab_size)
         self.tie_weights()
@@ -147,19 +197,35 @@ class MoeCausalLM(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels_BT: torch.Tensor | None = None, packed: bool | KnownDocuments | None = None,
-                trained_rows: torch.Tensor | None = None) -> CausalLMOutput:
+                trained_rows: torch.Tensor | None = None, mtp: MtpBatch | None = None) -> CausalLMOutput:
         """``position_ids`` [B, T] (or a family's multimodal [3, B, T]); default 0..T-1 for every row.
         With ``labels_BT`` (already shifted, -100 = ignore) the output has ``loss_sum`` and no logits. ``packed``:
         whether the rows hold several documents, where the caller knows (``models.layers.known_documents``).
         ``trained_rows``: the flat indices of the labels != -100 (``models.causal_lm.trained_rows``; None: every
-        row), the only rows the LM head computes logits for; the loss is the same either way."""
+        row), the only rows the LM head computes logits for; the loss is the same either way. ``mtp``: run the MTP
+        head too (the model must have one) on this batch (``mtp_batch``; its labels are read where ``labels_BT``
+        is given): its logits or summed cross-entropy come as ``mtp_logits`` / ``mtp_loss_sum``."""
         if position_ids is None:
             position_ids = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
             packed = False
-        h_BTD, stats = self.model(input_ids_BT, position_ids, packed)
+        if mtp is not None and self.mtp is None:
+            raise ValueError("an MTP batch for a model without an MTP head (model.arch.mtp_loss_weight=0)")
+        out = self.model(input_ids_BT, position_ids, packed, None if mtp is None else mtp.input_ids_BT)
+        stats, h_mtp_BTD = out.router_stats, None
+        if mtp is not None:
+            h_mtp_BTD, mtp_stats = self.mtp(out.mtp_embeds_BTD, out.h_BTD, out.cos, out.sin, out.docs)
+            stats = stats + mtp_stats
         if labels_BT is None:
-            return CausalLMOutput(logits=self.lm_head(h_BTD), router_stats=stats)
-        return CausalLMOutput(logits=None, router_stats=stats, loss_sum=self.lm_head(h_BTD, labels_BT, trained_rows))
+            if mtp is None:
+                return CausalLMOutput(logits=self.lm_head(out.h_BTD), router_stats=stats)
+            logits = self.lm_head(torch.cat((out.h_BTD, h_mtp_BTD)))  # one call of the shared head
+            return CausalLMOutput(logits=logits[:len(input_ids_BT)], router_stats=stats,
+                                  mtp_logits=logits[len(input_ids_BT):])
+        if mtp is None:
+            return CausalLMOutput(logits=None, router_stats=stats,
+                                  loss_sum=self.lm_head(out.h_BTD, labels_BT, trained_rows))
+        loss_sum, mtp_loss_sum = self.lm_head(out.h_BTD, labels_BT, trained_rows, (h_mtp_BTD, mtp))
+        return CausalLMOutput(logits=None, router_stats=stats, loss_sum=loss_sum, mtp_loss_sum=mtp_loss_sum)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from core.files import remove, stale_temporaries
-from core.safetensors_stream import TensorLayout, stream_gathered, write_safetensors
+from core.safetensors_stream import TensorLayout, stream_gathered, torch_dtype, write_safetensors
 from models import ModelSpec, build_args, get_spec
 from models.init import local_box
 from models.moe import TopKRouter
@@ -47,6 +47,9 @@ EXPERT_WEIGHTS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
     "down_proj": ("down_proj.weight",),
 }
+
+# A per-expert on-disk tensor -> (the fused parameter it is part of, its place among the parts).
+_PART_OF = {part: (fused, i) for fused, parts in EXPERT_WEIGHTS.items() for i, part in enumerate(parts)}
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -104,11 +107,18 @@ def preset_differences(args: Any, cfg: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- names
 
 
-def _to_ours(spec: ModelSpec, disk_name: str) -> str | None:
+def _to_ours(spec: ModelSpec, disk_name: str, mtp: bool = True) -> str | None:
+    """Our name of a checkpoint's tensor; None: not part of our model (a vision tower; ``mtp`` False: the MTP head,
+    for a model built without one)."""
     for disk, ours in spec.hf_prefixes:
-        if disk_name.startswith(disk):
+        if disk_name.startswith(disk) and (mtp or not _is_mtp(spec, ours)):
             return ours + disk_name[len(disk):]
-    return None  # not part of our model (e.g. a vision tower or an MTP head of a multimodal checkpoint)
+    return None
+
+
+def _is_mtp(spec: ModelSpec, name: str) -> bool:
+    """Whether our ``name`` (or prefix) is the MTP head's: built only where the model trains it."""
+    return spec.mtp_blocks is not None and name.startswith(spec.mtp_blocks.partition(".")[0] + ".")
 
 
 def _to_disk(spec: ModelSpec, name: str) -> str:
@@ -119,7 +129,8 @@ def _to_disk(spec: ModelSpec, name: str) -> str:
 
 
 def _experts_module_re(spec: ModelSpec) -> str:
-    return rf"{re.escape(spec.blocks)}\.\d+\.{re.escape(spec.experts)}"
+    blocks = "|".join(re.escape(name) for name in (spec.blocks, spec.mtp_blocks) if name)
+    return rf"(?:{blocks})\.\d+\.{re.escape(spec.experts)}"
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -200,12 +211,12 @@ def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
 
 
 @contextlib.contextmanager
-def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
+def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False) -> Iterator[dict[str, _Source]]:
     """Our name -> _Source for every tensor of a Hugging Face directory that belongs to our model (family
-    from its config.json). Per-expert tensors become one fused source; raises listing any missing expert."""
+    from its config.json; ``mtp``: with its MTP head). Per-expert tensors become one fused source; raises listing
+    any missing expert."""
     hf_dir = Path(hf_dir)
     spec = get_spec(read_hf_config(hf_dir)["model_type"])
-    part_of = {part: (fused, i) for fused, parts in EXPERT_WEIGHTS.items() for i, part in enumerate(parts)}
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.(\d+)\.(.+)$")
     sources: dict[str, _Source] = {}
     per_expert: dict[str, dict[tuple[int, int], Any]] = defaultdict(dict)  # fused name -> {(part, expert): slice}
@@ -214,13 +225,13 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
         for path in _checkpoint_files(hf_dir):
             f = stack.enter_context(_open_safetensors(path))
             for disk_name in f.keys():
-                name = _to_ours(spec, disk_name)
+                name = _to_ours(spec, disk_name, mtp)
                 if name is None:
                     skipped.append(disk_name)
                     continue
                 match = per_expert_re.match(name)
-                if match and match[3] in part_of:
-                    fused, i = part_of[match[3]]
+                if match and match[3] in _PART_OF:
+                    fused, i = _PART_OF[match[3]]
                     per_expert[f"{match[1]}.{fused}"][i, int(match[2])] = f.get_slice(disk_name)
                 else:
                     sources[name] = _direct_source(f, disk_name)
@@ -239,15 +250,16 @@ def _disk_sources(hf_dir: str | os.PathLike) -> Iterator[dict[str, _Source]]:
             raise ValueError(f"checkpoint lacks {len(gaps)} per-expert tensors (our names): {', '.join(gaps)}")
         if skipped:
             groups = sorted({".".join(name.split(".")[:2]) for name in skipped})
-            logger.info("%s: skipped %d tensors outside the %s text model (%s)", hf_dir, len(skipped),
-                        spec.model_type, ", ".join(groups))
+            logger.info("%s: %d tensors are not part of the %s model built and are not trained (%s); an export of "
+                        "the run copies them from here unchanged", hf_dir, len(skipped), spec.model_type,
+                        ", ".join(groups))
         yield sources
 
 
-def load_hf_state_dict(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face directory in our names, as full tensors. Per-expert tensors are stacked
-    into the fused ones; fused tensors on disk are taken as they are."""
-    with _disk_sources(hf_dir) as sources:
+def load_hf_state_dict(hf_dir: str | os.PathLike, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face directory in our names, as full tensors (``mtp``: the MTP head's too).
+    Per-expert tensors are stacked into the fused ones; fused tensors on disk are taken as they are."""
+    with _disk_sources(hf_dir, mtp) as sources:
         return {name: src.read(_whole(src.shape)) for name, src in sources.items()}
 
 
@@ -311,7 +323,7 @@ def check_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """``load_hf_into_model``'s check (names, global shapes, dtypes) against the safetensors headers alone, on the
     model still on the meta device: a config.json that its weights disagree with (vocab_size=2e8 beside 256 rows)
     is refused before its model is allocated."""
-    with _disk_sources(hf_dir) as sources:
+    with _disk_sources(hf_dir, mtp=model.mtp is not None) as sources:  # the tensors load_hf_into_model reads
         try:
             check_state_dict(model, sources)
         except ValueError as e:
@@ -322,7 +334,12 @@ def check_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
 def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """Fill the model from a Hugging Face directory, each rank reading from disk only the slices it owns:
     host memory stays near one rank's share instead of the whole checkpoint."""
-    with _disk_sources(hf_dir) as sources:
+    spec = get_spec(read_hf_config(hf_dir)["model_type"])
+    with _disk_sources(hf_dir, mtp=model.mtp is not None) as sources:
+        if model.mtp is not None and not any(_is_mtp(spec, name) for name in sources):
+            raise ValueError(f"model.arch.mtp_loss_weight={model.args.mtp_loss_weight} trains the MTP head, and "
+                             f"{hf_dir} has none (no mtp.* tensors): start from a checkpoint that has one, or set "
+                             "model.arch.mtp_loss_weight=0")
         _copy_into(model, sources, lambda src, box: src.read(box))
 
 
@@ -331,15 +348,21 @@ def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
 
 @dataclass(frozen=True)
 class _DiskTensor:
-    """One on-disk tensor of an export: ``full[index]`` of our tensor ``source`` (a contiguous view of it)."""
+    """One on-disk tensor of an export: ``full[index]`` of our tensor ``source`` (a contiguous view of it), or, for
+    a tensor copied from the run's source checkpoint, that checkpoint's tensor ``source`` (index ``()``)."""
 
     name: str
     source: str
     index: tuple[int | slice, ...]
     shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def layout(self) -> TensorLayout:
+        return TensorLayout(self.shape, self.dtype)
 
 
-def _disk_tensors(spec: ModelSpec, shapes: Mapping[str, Sequence[int]]) -> list[_DiskTensor]:
+def _disk_tensors(spec: ModelSpec, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype) -> list[_DiskTensor]:
     """Our tensors (global shapes) in on-disk names, fused experts split per expert, in the order they are
     written: our names sorted, each one's experts (and parts) in turn, so one tensor of ours at a time."""
     fused_re = re.compile(rf"^({_experts_module_re(spec)})\.({'|'.join(map(re.escape, EXPERT_WEIGHTS))})$")
@@ -348,7 +371,7 @@ def _disk_tensors(spec: ModelSpec, shapes: Mapping[str, Sequence[int]]) -> list[
         shape = tuple(shapes[name])
         match = fused_re.match(name)
         if match is None:
-            out.append(_DiskTensor(_to_disk(spec, name), name, (), shape))
+            out.append(_DiskTensor(_to_disk(spec, name), name, (), shape, dtype))
             continue
         parts = EXPERT_WEIGHTS[match[2]]
         num_experts, rows, cols = shape  # rows: the parts' rows concatenated
@@ -356,21 +379,20 @@ def _disk_tensors(spec: ModelSpec, shapes: Mapping[str, Sequence[int]]) -> list[
         for j in range(num_experts):
             for i, part in enumerate(parts):
                 out.append(_DiskTensor(_to_disk(spec, f"{match[1]}.{j}.{part}"), name,
-                                       (j, slice(i * part_rows, (i + 1) * part_rows)), (part_rows, cols)))
+                                       (j, slice(i * part_rows, (i + 1) * part_rows)), (part_rows, cols), dtype))
     return out
 
 
-def _plan_shards(tensors: list[_DiskTensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[_DiskTensor]]:
+def _plan_shards(tensors: list[_DiskTensor], max_shard_bytes: int) -> list[list[_DiskTensor]]:
     """Consecutive tensors packed greedily into shards of at most max_shard_bytes (a bigger tensor alone)."""
     shards: list[list[_DiskTensor]] = [[]]
     size = 0
     for t in tensors:
-        nbytes = TensorLayout(t.shape, dtype).nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + t.layout.nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(t)
-        size += nbytes
+        size += t.layout.nbytes
     return shards
 
 
@@ -385,22 +407,90 @@ def _disk_views(tensors: list[_DiskTensor], sources: Iterator[torch.Tensor]) -> 
         yield full[t.index]
 
 
-def _write_checkpoint(out_dir: Path, tensors: list[_DiskTensor], dtype: torch.dtype, max_shard_bytes: int,
-                      sources: Iterator[torch.Tensor]) -> None:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + index when over max_shard_bytes, streamed:
-    ``sources`` yields our full tensors in ``dtype``, one per distinct source of ``tensors`` in order, each
-    written out (across a shard boundary if need be) before the next is taken."""
-    shards = _plan_shards(tensors, dtype, max_shard_bytes)
-    files = ([SAFETENSORS] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    views = _disk_views(tensors, sources)
-    for file, shard in zip(files, shards):
-        layouts = {t.name: TensorLayout(t.shape, dtype) for t in shard}
-        write_safetensors(out_dir / file, layouts, views, metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(TensorLayout(t.shape, dtype).nbytes for t in tensors)},
-                 "weight_map": {t.name: file for file, shard in zip(files, shards) for t in shard}}
+def _write_checkpoint(out_dir: Path, groups: list[tuple[list[_DiskTensor], Iterator[torch.Tensor]]],
+                      max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when over max_shard_bytes, streamed: each
+    group's (tensors, values) goes into shards of its own, ``values`` yielding the on-disk tensors in order, each
+    written out before the next is taken. Within a group the tensors are in descending item size (one dtype: ours;
+    the source's copied tensors sorted so)."""
+    planned = [(shard, values) for tensors, values in groups for shard in _plan_shards(tensors, max_shard_bytes)]
+    files = ([SAFETENSORS] if len(planned) == 1 else
+             [f"model-{i + 1:05d}-of-{len(planned):05d}.safetensors" for i in range(len(planned))])
+    for file, (shard, values) in zip(files, planned):
+        write_safetensors(out_dir / file, {t.name: t.layout for t in shard}, values, metadata={"format": "pt"})
+    if len(planned) > 1:
+        index = {"metadata": {"total_size": sum(t.layout.nbytes for shard, _ in planned for t in shard)},
+                 "weight_map": {t.name: file for file, (shard, _) in zip(files, planned) for t in shard}}
         (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+# Files of the run's source directory an export copies as they are, beside its weights: the configs, the tokenizer's
+# and the multimodal processors' (fnmatch patterns).
+SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+                "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.json",
+                "chat_template.jinja", "preprocessor_config.json", "video_preprocessor_config.json",
+                "processor_config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """The Hugging Face directory a run started from (model.init_from), exported in its layout: its model_type's
+    names (multimodal ``model.language_model.*``), its config and tokenizer files, and every tensor the run does not
+    train, copied byte for byte (``untrained``: on-disk name -> (file, shape, dtype))."""
+
+    path: Path
+    spec: ModelSpec
+    untrained: dict[str, tuple[Path, tuple[int, ...], torch.dtype]]
+
+    def files(self) -> list[Path]:
+        return sorted(p for p in self.path.iterdir() if p.is_file() and p.name in SOURCE_FILES)
+
+    def has_tokenizer(self) -> bool:
+        return any((self.path / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def check_export_source(hf_dir: str | os.PathLike, model_type: str, args: Any) -> str:
+    """The model_type of ``hf_dir``, a run's source directory, after checking that an export can carry it: it exists
+    and its config.json describes the run's architecture (the same family, the same config.json keys), so that its
+    config and the tensors the run does not train can be exported beside the trained ones. Raises ValueError."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ValueError(f"the run's source directory {hf_dir} (model.init_from) is gone, and an export copies the "
+                         "tensors the run does not train from it: restore it, or export with scripts/export_hf.py "
+                         "--source NEW_DIR (where it is now) or --source none (the trained model alone)")
+    config = read_hf_config(hf_dir)
+    source_type, source_args = args_from_hf_config(config)
+    names = _hf_names(get_spec(model_type))
+    if (get_spec(source_type).args_cls is not get_spec(model_type).args_cls
+            or names.config_from_arch(source_args) != names.config_from_arch(args)):
+        raise ValueError(f"the run's architecture is not the one {hf_dir}/config.json describes "
+                         f"({'; '.join(preset_differences(args, config))}), so an export cannot carry that "
+                         "directory's config and untrained tensors: train with model=hf, or export the trained model "
+                         "alone (scripts/export_hf.py --source none)")
+    return source_type
+
+
+def export_source(hf_dir: str | os.PathLike, model_type: str, args: Any, trained: Sequence[str]) -> ExportSource:
+    """What an export of a run started from ``hf_dir`` copies from it, for a model of ``model_type`` and ``args``
+    whose tensors (our names, tied aliases included) are ``trained`` (``check_export_source`` first)."""
+    hf_dir = Path(hf_dir)
+    source_type = check_export_source(hf_dir, model_type, args)
+    spec = get_spec(source_type)
+    trained = set(trained)
+    per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.\d+\.(.+)$")
+    untrained = {}
+    for path in _checkpoint_files(hf_dir):
+        with _open_safetensors(path) as f:
+            for disk_name in f.keys():
+                ours = _to_ours(spec, disk_name)
+                match = per_expert_re.match(ours or "")
+                if match and match[2] in _PART_OF:
+                    ours = f"{match[1]}.{_PART_OF[match[2]][0]}"  # one of the per-expert parts of a fused tensor
+                if ours not in trained:
+                    handle = f.get_slice(disk_name)
+                    untrained[disk_name] = (path, tuple(handle.get_shape()), torch_dtype(handle.get_dtype()))
+    return ExportSource(hf_dir, spec, untrained)
 
 
 def check_export_dir(out_dir: str | os.PathLike) -> None:
@@ -449,25 +539,47 @@ def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
 
 def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_dir: str | os.PathLike,
             max_shard_bytes: int, dtype: torch.dtype, extra_files: Callable[[Path], None] | None,
-            values: Iterator[torch.Tensor]) -> None:
+            values: Iterator[torch.Tensor], source: str | os.PathLike | None) -> None:
     """The export of ``state`` (full tensors or DTensors: only its names and global shapes are read), whose
-    values stream from ``values``: its full tensors in ``dtype``, one at a time, in sorted-name order."""
+    values stream from ``values``: its full tensors in ``dtype``, one at a time, in sorted-name order. ``source``:
+    the run's model.init_from, exported in its layout with every tensor the run does not train (``export_source``)."""
     spec = get_spec(model_type)
-    spec = get_spec(spec.hf_export_type) if spec.hf_export_type else spec
     with torch.device("meta"):
-        check_state_dict(spec.model_cls(args), state)
+        model = spec.model_cls(args)
+    check_state_dict(model, state)
+    if source is not None:
+        # Every name of the model's parameters is trained (a tied alias too): the rest of the source is copied.
+        carried = export_source(source, model_type, args, [n for n, _ in model.named_parameters(remove_duplicate=False)])
+        spec = carried.spec
+    else:
+        carried = None
+        spec = get_spec(spec.hf_export_type) if spec.hf_export_type else spec
     config = {"architectures": [spec.hf_architecture], "model_type": spec.model_type,
               **_hf_names(spec).config_from_arch(args), "torch_dtype": str(dtype).removeprefix("torch."),
               # The transformers format written (the version the tests load it with). Without it, transformers 5.x
               # takes a >100k-token tokenizer beside it for an old Mistral one and warns of a wrong regex.
               "transformers_version": HF_FORMAT_VERSION}
-    tensors = _disk_tensors(spec, {name: t.shape for name, t in state.items()})  # the sources in sorted order
+    ours = _disk_tensors(spec, {name: t.shape for name, t in state.items()}, dtype)
+    # The copied ones in descending item size, then by name (the writer's alignment rule within a file).
+    copied = [] if carried is None else [
+        _DiskTensor(name, name, (), shape, source_dtype) for name, (_, shape, source_dtype)
+        in sorted(carried.untrained.items(), key=lambda item: (-item[1][2].itemsize, item[0]))]
     check_export_dir(out_dir)
 
     def write(tmp: Path) -> None:
-        _write_checkpoint(tmp, tensors, dtype, max_shard_bytes, values)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if extra_files is not None:
+        with contextlib.ExitStack() as stack:
+            opened = {path: stack.enter_context(_open_safetensors(path))
+                      for path in {path for path, _, _ in (carried.untrained.values() if carried else ())}}
+            # The source's tensors are read one at a time, as each is written.
+            from_source = (opened[carried.untrained[t.source][0]].get_tensor(t.source) for t in copied)
+            _write_checkpoint(tmp, [(ours, _disk_views(ours, values))] + ([(copied, from_source)] if copied else []),
+                              max_shard_bytes)
+        if carried is None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        else:  # the source's own files: its config describes this architecture (checked), its processors the rest
+            for path in carried.files():
+                shutil.copyfile(path, tmp / path.name)
+        if extra_files is not None and (carried is None or not carried.has_tokenizer()):
             extra_files(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         (tmp / EXPORT_RECORD).write_text(json.dumps({"written_by": "qwen-moe-train", "files": files}) + "\n")
@@ -477,34 +589,41 @@ def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_d
 
 def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str, args: Any,
                          out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                         dtype: torch.dtype | None = None, extra_files: Callable[[Path], None] | None = None) -> None:
+                         dtype: torch.dtype | None = None, extra_files: Callable[[Path], None] | None = None,
+                         source: str | os.PathLike | None = None) -> None:
     """Write full tensors in our names as a directory ``transformers.AutoModelForCausalLM.from_pretrained``
     loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
     it (default: keep the state dict's), one tensor at a time. ``extra_files(tmp)``, if given, is called with
     the temporary directory once the weights and config.json are in it, before it replaces ``out_dir`` (new, empty or
     an earlier export: ``check_export_dir``): it may
     add files (the tokenizer's) or rewrite config.json. The model's buffers in ``state_dict`` (the routers'
-    aux-loss-free balancing biases: a training device transformers' routers do not have) are left out."""
+    aux-loss-free balancing biases: a training device transformers' routers do not have) are left out.
+
+    ``source``: the Hugging Face directory the run started from (model.init_from). The export then has its layout
+    (a multimodal checkpoint's names; the class that loaded it loads the export), its config.json, generation,
+    tokenizer and processor files, and every tensor of it the model does not have (a vision tower; an MTP head not
+    trained) byte for byte in its dtype, read from it one tensor at a time as it is written; ``extra_files`` runs
+    only where it has no tokenizer files."""
     with torch.device("meta"):
         buffers = {name for name, _ in get_spec(model_type).model_cls(args).named_buffers()}
     state_dict = {name: t for name, t in state_dict.items() if name not in buffers}
     dtype = dtype or next(iter(state_dict.values())).dtype
     _export(state_dict, model_type, args, out_dir, max_shard_bytes, dtype, extra_files,
-            (state_dict[name].to(dtype) for name in sorted(state_dict)))
+            (state_dict[name].to(dtype) for name in sorted(state_dict)), source)
 
 
 def export_hf(model: nn.Module, model_type: str, out_dir: str | os.PathLike, *,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
-              extra_files: Callable[[Path], None] | None = None) -> None:
+              extra_files: Callable[[Path], None] | None = None, source: str | os.PathLike | None = None) -> None:
     """``export_state_dict_hf`` of a live model (default dtype: its first parameter's). Collective with a
     sharded model: every rank calls it; the parameters are gathered one at a time and global rank 0 streams
     each into the files (``stream_gathered``): its host memory holds one tensor, the other ranks' none.
-    ``extra_files`` runs on rank 0 only."""
+    ``extra_files`` runs on rank 0 only; the ``source``'s untrained tensors are read by rank 0 alone."""
     writer = not dist.is_initialized() or dist.get_rank() == 0
     params = dict(model.named_parameters())  # a tied lm_head.weight is embed_tokens.weight: one name
     dtype = dtype or next(iter(params.values())).dtype
 
     def write(values: Iterator[torch.Tensor]) -> None:
-        _export(params, model_type, model.args, out_dir, max_shard_bytes, dtype, extra_files, values)
+        _export(params, model_type, model.args, out_dir, max_shard_bytes, dtype, extra_files, values, source)
 
     stream_gathered(params, sorted(params), write if writer else None, dtype=dtype)

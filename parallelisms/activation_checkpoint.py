@@ -47,7 +47,7 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:
+def apply_activation_checkpointing(blocks: list[nn.Module] | nn.ModuleList, mode: str) -> None:
     """Checkpoint every block as ``mode`` says (a validated parallel.activation_checkpoint)."""
     if mode == "none":
         return

@@ -37,7 +37,7 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
     """Shard or replicate ``model`` (usually still on the meta device) in place and return it. ``dispatcher``:
     the ``dispatcher`` group, which EP (parallel.ep_size > 1) installs on every experts module; None: eager.
     ``compile_blocks``: train.compile."""
-    apply_activation_checkpointing(model.get_submodule(spec.blocks), cfg.activation_checkpoint)
+    apply_activation_checkpointing([block for _, block in spec.named_blocks(model)], cfg.activation_checkpoint)
     if dims.cp > 1:
         apply_context_parallel(model, dims.mesh("cp"))
     if compile_blocks:  # AC -> compile -> FSDP (torchtitan's order); hook-free pieces: every backend's hooks stay eager
@@ -71,7 +71,7 @@ def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:
 def _units(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     """The fsdp2 plan's units, without the prefetch chains: embeddings, each block, each block's experts, the
     final norm and LM head, the root (whatever the others do not hold)."""
-    blocks = list(model.get_submodule(spec.blocks))
+    blocks = [block for _, block in spec.named_blocks(model)]
     return [model.get_submodule(spec.embeddings), *blocks, *(b.get_submodule(spec.experts) for b in blocks),
             *(model.get_submodule(name) for name in spec.final), model]
 
@@ -89,7 +89,7 @@ def _apply_one_rank_plan(model: nn.Module, spec: ModelSpec, mp_policy: MixedPrec
 
 def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, backend: BackendConfig,
                       dispatcher: DispatcherConfig, mp_policy: MixedPrecisionPolicy) -> nn.Module:
-    blocks = list(model.get_submodule(spec.blocks))
+    blocks = [block for _, block in spec.named_blocks(model)]  # an MTP head's last: it runs after the model's
     experts = [block.get_submodule(spec.experts) for block in blocks]
     embeddings = model.get_submodule(spec.embeddings)
     final = [model.get_submodule(name) for name in spec.final]

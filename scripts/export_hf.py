@@ -13,6 +13,11 @@ of our tokenizers (``none``, or pre-tokenized ids of another vocabulary) exports
 says so; ``--tokenizer`` overrides the recorded one. The export replaces ``out-dir`` wholesale, so ``out-dir`` must be
 new, empty or an earlier export (its ``.hf_export.json`` lists its files); a run directory or any other folder
 is refused. It says which step it exported, and warns where the run has trained past its final weights since.
+
+A run started from a Hugging Face directory (``model.init_from``) is exported in that directory's layout (a
+multimodal checkpoint's names), with its config.json, generation, tokenizer and processor files, and every tensor
+of it the run did not train (a vision tower, an MTP head not trained) copied byte for byte; ``--source DIR`` names
+the directory where it has moved, ``--source none`` exports the trained model alone.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from models import build_args, get_spec  # noqa: E402
-from models.hf_io import DEFAULT_MAX_SHARD_BYTES, check_export_dir, export_state_dict_hf  # noqa: E402
+from models.hf_io import (DEFAULT_MAX_SHARD_BYTES, check_export_dir, check_export_source,  # noqa: E402
+                          export_state_dict_hf)
 from training.checkpoint import (TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state,  # noqa: E402
                                  verified_weights_step)
 from training.data.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
@@ -121,19 +127,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     parser.add_argument("--tokenizer", choices=[*TOKENIZERS, "none"],
                         help="the tokenizer files to write (default: the run's model.tokenizer)")
+    parser.add_argument("--source", help="the Hugging Face directory the run started from, whose untrained tensors "
+                        "and files the export carries (default: the run's model.init_from; none: the trained model "
+                        "alone)")
     opts = parser.parse_args(argv)
     check_export_dir(opts.out_dir)  # before the checkpoint is read: OUT is replaced wholesale
     weights, config, source = run_config(opts.checkpoint)
     model_type, args = model_type_and_args(config, source)
     tokenizer, decided = run_tokenizer(config, args.vocab_size, opts.tokenizer)
+    source = opts.source or (config.get("model") or {}).get("init_from")
+    source = None if source == "none" else source
+    if source is not None:
+        check_export_source(source, model_type, args)  # before the checkpoint is read
     step = weights_step(weights)  # the final weights are checked against their record first
     state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
     export_state_dict_hf(state, model_type, args, opts.out_dir, max_shard_bytes=opts.max_shard_bytes,
-                         dtype=DTYPES.get(opts.dtype), extra_files=hf_tokenizer_files(tokenizer))
-    if tokenizer is None:
+                         dtype=DTYPES.get(opts.dtype), extra_files=hf_tokenizer_files(tokenizer), source=source)
+    if tokenizer is None and source is None:
         print(f"no tokenizer files written: {decided}; add that tokenizer's files to {opts.out_dir}")
     print(f"exported {weights} ({model_type}, step {'unknown' if step is None else step}) to {opts.out_dir}"
-          + (f" {decided}" if tokenizer else ""))
+          + (f" {decided}" if tokenizer else "") + (f", with what it did not train of {source}" if source else ""))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ PRESETS = ["cp2", "cp4", "cp2_ep2_efsdp2", "cp2_ep2_edp2"]  # every CP preset th
 AC_VARIANTS = {("qwen3_5_moe", "cp4-full_ac"): ("cp4", "full"),
                ("qwen3_moe", "cp2_ep2_efsdp2-selective_ac"): ("cp2_ep2_efsdp2", "selective")}
 CHATS = "cp2_ep2_efsdp2"  # the layout (dp 4, cp 2) that also trains Qwen3-MoE on masked chats
+# Qwen3.5's MTP head trained on the packed documents under CP + EP + expert FSDP with full AC: the shift by one
+# crosses the cp shards, the pairs that cross a document end are masked, its experts are sharded like the others.
+MTP = ("cp2_ep2_efsdp2", "full")
+MTP_WEIGHT = 0.3
 TINY = {  # per family: the debug preset cut to the synthetic 256-token vocabulary
     "qwen3_moe": ["model=qwen3_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
                   "model.arch.head_dim=8", "model.arch.moe_intermediate_size=16"],
@@ -68,17 +72,18 @@ def write_documents(path: Path, num_tokens: int, seed: int = 0) -> None:
 
 
 def train_config(tmp_path: Path, family: str, parallel: str, *overrides: str, run: str | None = None,
-                 chats: bool = False):
+                 chats: bool = False, mtp: bool = False):
     """3 steps from tmp_path/<family> on tmp_path/tokens.npy, a global batch of GLOBAL_BATCH, clipping active.
     chats: from tmp_path/<family>-chats (the tokenizer's vocabulary) on tmp_path/chats.jsonl, training only the
-    assistant tokens."""
+    assistant tokens. mtp: from tmp_path/<family>-mtp, training its MTP head too (MTP_WEIGHT)."""
     dp = 1 if parallel == "single" else WORLD // compose_config([f"parallel={parallel}"]).parallel.cp_size
     if chats:
         source = [f"model.arch.vocab_size={QwenTokenizer().vocab_size}", f"model.init_from={tmp_path / family}-chats",
                   "data=jsonl", f"data.path={tmp_path / 'chats.jsonl'}", "data.mask_non_assistant=true"]
     else:
-        source = [f"model.init_from={tmp_path / family}", "data=tokens", f"data.path={tmp_path / 'tokens.npy'}",
-                  f"data.eos_id={EOS}"]
+        source = [f"model.init_from={tmp_path / family}{'-mtp' if mtp else ''}", "data=tokens",
+                  f"data.path={tmp_path / 'tokens.npy'}", f"data.eos_id={EOS}"]
+        source += [f"model.arch.mtp_loss_weight={MTP_WEIGHT}"] if mtp else []
     return compose_config([
         *TINY[family], *source, f"parallel={parallel}", f"data.seq_len={SEQ}",
         f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / f'{family}-{run or parallel}'}",
@@ -160,17 +165,22 @@ def runs(tmp_path_factory):
         model = seeded_model(family)
         export_hf(model, family, tmp_path / family)
         weights[family] = {k: v.clone() for k, v in model.state_dict().items()}
+    export_hf(seeded_model("qwen3_5_moe", mtp_loss_weight=MTP_WEIGHT), "qwen3_5_moe", tmp_path / "qwen3_5_moe-mtp")
     write_chats(tmp_path / "chats.jsonl")
     export_hf(seeded_model("qwen3_moe", vocab_size=QwenTokenizer().vocab_size), "qwen3_moe",
               tmp_path / "qwen3_moe-chats")
     reference = {family: train.run(train_config(tmp_path, family, "single")) for family in TINY}
     reference["qwen3_moe-chats"] = train.run(train_config(tmp_path, "qwen3_moe", "single", run="single-chats",
                                                           chats=True))
+    reference["qwen3_5_moe-mtp"] = train.run(train_config(tmp_path, "qwen3_5_moe", "single", run="single-mtp",
+                                                          mtp=True))
     cfgs = {f"{family}-{preset}": train_config(tmp_path, family, preset) for family in TINY for preset in PRESETS}
     cfgs.update({f"{family}-{name}": train_config(tmp_path, family, preset, f"parallel.activation_checkpoint={mode}",
                                                   run=name)
                  for (family, name), (preset, mode) in AC_VARIANTS.items()})
     cfgs[f"qwen3_moe-{CHATS}-chats"] = train_config(tmp_path, "qwen3_moe", CHATS, run=f"{CHATS}-chats", chats=True)
+    cfgs["qwen3_5_moe-mtp"] = train_config(tmp_path, "qwen3_5_moe", MTP[0], f"parallel.activation_checkpoint={MTP[1]}",
+                                           run="mtp", mtp=True)
     layouts = {preset: compose_config([f"parallel={preset}"]).parallel for preset in ("cp2", "cp4")}
     args = {family: model_args(family) for family in TINY}
     histories, logits = run_distributed(worker, WORLD, cfgs, weights, layouts, args, timeout_s=600)
@@ -203,6 +213,18 @@ def test_cp_on_masked_chats_with_unequal_token_counts_trains_like_one_process(ru
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-4), f"step {g['step']}"
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {g['step']}"
     assert want[0]["grad_norm"] > 0.5  # max_norm 0.5 really clipped
+
+
+def test_mtp_head_under_cp_ep_and_ac_trains_like_one_process(runs):
+    reference, histories, *_ = runs
+    got, want = histories["qwen3_5_moe-mtp"], reference["qwen3_5_moe-mtp"]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        for key in ("loss", "mtp_loss", "aux_loss", "grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=1e-4), f"step {g['step']}: {key}"
+    # The head trained: its loss is not the main loss, and the run is not the one without the head.
+    assert want[0]["mtp_loss"] != pytest.approx(want[0]["loss"], rel=1e-3)
+    assert want[-1]["loss"] != pytest.approx(reference["qwen3_5_moe"][-1]["loss"], rel=1e-4)
 
 
 def assert_documents_separate(model: torch.nn.Module, packed_logits: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
-"""Eight gloo ranks, one spawn: Qwen3.5-MoE under ep2 and ep4_efsdp2, and a checkpoint saved under
-ep4_efsdp2 resumed under ep2 and under fsdp2, each against the single-process run (fp32, rel 1e-4)."""
+"""Eight gloo ranks, one spawn: Qwen3.5-MoE under ep2 and ep4_efsdp2 (and with its MTP head trained, under ep2),
+and a checkpoint saved under ep4_efsdp2 resumed under ep2 and under fsdp2, each against the single-process run
+(fp32, rel 1e-4)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ TINY = {  # per family: a tiny architecture on the synthetic 256-token vocabular
 }
 
 
+MTP = ["model.arch.mtp_loss_weight=0.3"]  # from a checkpoint with the head (<family>-mtp), trained
+
+
 def config(tmp_path: Path, family: str, parallel: str, run: str, *overrides: str, steps: int = 4):
     local_batch = 8 if parallel == "single" else 1  # the same global batch of 8 sequences
+    source = tmp_path / (f"{family}-mtp" if MTP[0] in overrides else family)
     return compose_config([
-        *TINY[family], f"model.init_from={tmp_path / family}", f"parallel={parallel}", "data=tokens",
+        *TINY[family], f"model.init_from={source}", f"parallel={parallel}", "data=tokens",
         f"data.path={tmp_path / 'tokens.npy'}", "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}",
         f"train.output_dir={tmp_path / run}", f"train.steps={steps}", f"train.local_batch_size={local_batch}",
         "train.save_final=false", "optim.warmup_steps=0", "optim.lr=1e-2", "logging.tensorboard=false",
@@ -48,11 +53,17 @@ def runs(tmp_path_factory):
         model = get_spec(cfg.model.model_type).model_cls(args)
         model.init_weights()
         export_hf(model, cfg.model.model_type, tmp_path / family)
+    cfg = config(tmp_path, "qwen3_5_moe", "single", "init", *MTP)
+    model = get_spec(cfg.model.model_type).model_cls(build_args(cfg.model.model_type, dict(cfg.model.arch)))
+    model.init_weights()
+    export_hf(model, cfg.model.model_type, tmp_path / "qwen3_5_moe-mtp")
     reference = {family: train.run(config(tmp_path, family, "single", f"single-{family}")) for family in TINY}
+    reference["qwen3_5_moe-mtp"] = train.run(config(tmp_path, "qwen3_5_moe", "single", "single-mtp", *MTP))
     saved = tmp_path / "ep4_efsdp2-ckpt" / "checkpoints" / "step_00000002"
     parallel = {
         "qwen35-ep2": config(tmp_path, "qwen3_5_moe", "ep2", "qwen35-ep2"),
         "qwen35-ep4_efsdp2": config(tmp_path, "qwen3_5_moe", "ep4_efsdp2", "qwen35-ep4_efsdp2"),
+        "qwen35-mtp-ep2": config(tmp_path, "qwen3_5_moe", "ep2", "qwen35-mtp-ep2", *MTP),
         "save-ep4_efsdp2": config(tmp_path, "qwen3_moe", "ep4_efsdp2", "ep4_efsdp2-ckpt", "checkpoint.interval=2"),
         "resume-ep2": config(tmp_path, "qwen3_moe", "ep2", "resume-ep2", f"train.resume={saved}"),
         "resume-fsdp2": config(tmp_path, "qwen3_moe", "fsdp2", "resume-fsdp2", f"train.resume={saved}"),
@@ -65,6 +76,13 @@ def test_qwen35_trains_like_one_process(runs, preset):
     reference, results = runs
     assert [m["step"] for m in results[f"qwen35-{preset}"]] == [1, 2, 3, 4]
     assert_same_curve(results[f"qwen35-{preset}"], reference["qwen3_5_moe"])
+
+
+def test_qwen35_mtp_head_trains_like_one_process_under_ep(runs):
+    reference, results = runs
+    got, want = results["qwen35-mtp-ep2"], reference["qwen3_5_moe-mtp"]
+    assert_same_curve(got, want)
+    assert [g["mtp_loss"] == pytest.approx(w["mtp_loss"], rel=1e-4) for g, w in zip(got, want)] == [True] * 4
 
 
 @pytest.mark.parametrize("layout", ["ep2", "fsdp2"])

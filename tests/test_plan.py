@@ -29,7 +29,8 @@ from training.planner import GiB, PlanConfig, default_world, fit_warnings, plan,
 
 WORLD = 4
 # Per layout: the model and the overrides. ep2 on 4 ranks has EP (eager) and expert FSDP (efsdp 2); fsdp2 shards
-# the experts over all 4; cp2 replicates them over expert_cp (HSDP all-reduce); Qwen3.5 brings DeltaNet's exchange.
+# the experts over all 4; cp2 replicates them over expert_cp (HSDP all-reduce); Qwen3.5 brings DeltaNet's exchange
+# (and its MTP head one more block and the root's own parameters).
 QWEN35_TINY = ["model=qwen35_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
                "model.arch.moe_intermediate_size=16", "model.arch.shared_expert_intermediate_size=16"]
 CASES = {
@@ -40,6 +41,8 @@ CASES = {
     "cp2": [*TINY_MODEL, "parallel=cp2"],
     "hsdp": [*TINY_MODEL, "parallel=hsdp", "parallel.activation_checkpoint=selective"],
     "qwen35_cp2_ep2": [*QWEN35_TINY, "parallel=ep2", "parallel.cp_size=2"],
+    # The MTP head: its block's units, EP and CP traffic, and the root unit its fc and norms make.
+    "qwen35_mtp_cp2_ep2": [*QWEN35_TINY, "parallel=ep2", "parallel.cp_size=2", "model.arch.mtp_loss_weight=0.3"],
 }
 # Op -> (kind, position of its input): c10d's base ops take (output, input, ...), the functional ones the input first.
 KINDS = {"_allgather_base_": ("all_gather", 1), "all_gather_into_tensor": ("all_gather", 0),

@@ -154,16 +154,25 @@ def test_published_preset_is_transformers_35b_a3b() -> None:
     assert args.partial_rotary_factor == ref.rope_parameters["partial_rotary_factor"]
 
 
+@pytest.mark.parametrize("mtp", [False, True])
 @pytest.mark.parametrize("preset", ["qwen35_moe", "qwen35_moe_debug"])
-def test_param_counts_match_the_module(preset: str) -> None:
-    args = _preset(preset)
+def test_param_counts_match_the_module(preset: str, mtp: bool) -> None:
+    args = dataclasses.replace(_preset(preset), mtp_loss_weight=0.3 if mtp else 0.0)
+    spec = get_spec("qwen3_5_moe")
     with torch.device("meta"):
-        model = get_spec("qwen3_5_moe").model_cls(args)
+        model = spec.model_cls(args)
     total, active, embed = args.param_counts()
     assert total == sum(p.numel() for p in model.parameters())
+    assert (total, active) == spec.parameter_counts(model)  # the MTP head's experts counted as routed ones too
     idle_experts = args.num_experts - args.num_experts_per_tok
-    assert total - active == args.num_hidden_layers * idle_experts * 3 * args.hidden_size * args.moe_intermediate_size
+    assert total - active == (args.num_hidden_layers + mtp) * idle_experts * 3 * args.hidden_size \
+        * args.moe_intermediate_size
     assert embed == model.model.embed_tokens.weight.numel()
     assert args.flops_per_token(4096) > 6 * (active - embed)
-    if preset == "qwen35_moe":  # "35B total, 3B active" (the published counts include the vision tower and MTP)
+    if preset == "qwen35_moe" and not mtp:  # "35B total, 3B active" (the published counts: with vision and MTP)
         assert 34e9 < total < 36e9 and 2.9e9 < active - embed < 3.1e9
+    if mtp:  # the head's block, fc and norms, and the LM head's second pass over its rows
+        without = dataclasses.replace(args, mtp_loss_weight=0.0)
+        head = (active - without.param_counts()[1]) * 6 + 6 * args.vocab_size * args.hidden_size
+        attention = 12 * args.num_attention_heads * args.head_dim * 4096
+        assert args.flops_per_token(4096) - without.flops_per_token(4096) == head + attention

@@ -175,7 +175,8 @@ def progress_line(m: dict[str, Any], total_steps: int, eta_s: float) -> str:
     mfu = f" | mfu {m['mfu']:.1%}" if m.get("mfu") is not None else ""
     skipped = " | SKIPPED: non-finite loss or grad norm, no update" if m.get("skipped") else ""
     val = f" | val {m['val_loss']:.4f}" if "val_loss" in m else ""
-    return (f"step {m['step']:>5}/{total_steps}{skipped} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
+    mtp = f" | mtp {m['mtp_loss']:.4f}" if "mtp_loss" in m else ""
+    return (f"step {m['step']:>5}/{total_steps}{skipped} | loss {m['loss']:.4f}{mtp} | aux {m['aux_loss']:.4f} | "
             f"gnorm {m['grad_norm']:.3f} | lr {m['lr']:.2e} | {m['tokens_per_s_per_device']:,.0f} tok/s/dev"
             f"{mfu} | moe imb {m['moe/max_imbalance']:.2f}{val} | mem {m['peak_mem_gib']:.2f} GiB | eta {_hms(eta_s)}")
 

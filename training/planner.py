@@ -131,7 +131,7 @@ def fsdp_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes, backe
                     shard=sum(_padded_shard(tuple(p.shape), 0, s.mp_shard) for p in params), **{**outer, **kw})
 
     units = [unit("embeddings", list(model.get_submodule(spec.embeddings).parameters()), reshard_after_forward=True)]
-    for i, block in enumerate(model.get_submodule(spec.blocks)):
+    for i, (_, block) in enumerate(spec.named_blocks(model)):  # an MTP head's block last
         experts = block.get_submodule(spec.experts)
         expert_ids = {id(p) for p in experts.parameters()}
         units.append(unit(f"block {i}", [p for p in block.parameters() if id(p) not in expert_ids],
@@ -143,6 +143,11 @@ def fsdp_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes, backe
                           shard_size=s.efsdp, replicate_mesh="edp_cp", reshard_after_forward=True))
     final = [p for name in spec.final for p in model.get_submodule(name).parameters()]
     units.append(unit("final", final, reshard_after_forward=False))
+    held = {id(p) for name in (spec.embeddings, *spec.final) for p in model.get_submodule(name).parameters()}
+    held |= {id(p) for _, block in spec.named_blocks(model) for p in block.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in held]  # the root's own: an MTP head's fc and norms
+    if rest:  # gathered for forward and again for backward, as the blocks
+        units.append(unit("root", rest, reshard_after_forward=True))
     return units
 
 
@@ -238,7 +243,7 @@ def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: 
     _merge_units(out)
 
     args = model.args
-    layers = len(model.get_submodule(spec.blocks))
+    layers = len(spec.named_blocks(model))  # every MoE block: an MTP head's too
     forwards = 2 if step.checkpoint == "full" else 1  # full checkpointing runs each block's forward again
     if s.ep > 1:
         if step.dispatcher not in COUNTED_DISPATCHERS:
@@ -309,7 +314,7 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     args, b, N = model.args, step.compute_bytes, step.tokens
     shard = sum(u.shard for u in units)
     params, grads, optimizer = shard * FP32, shard * FP32, 2 * shard * step.moment_bytes
-    blocks = list(model.get_submodule(spec.blocks))
+    blocks = [block for _, block in spec.named_blocks(model)]
     per_layer = [layer_activations(block, args, s.ep, step.dispatcher) for block in blocks]
 
     def nbytes(elements: int, fp32: int) -> int:
@@ -318,13 +323,16 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     full = [nbytes(a.none, a.none_fp32) for a in per_layer]
     kept = {"none": full, "selective": [nbytes(a.selective, a.selective_fp32) for a in per_layer],
             "full": [N * args.hidden_size * b for _ in per_layer]}
-    activations = {mode: sum(layers) for mode, layers in kept.items()}
     recompute = {mode: max(max(f - k, 0) for f, k in zip(full, layers)) for mode, layers in kept.items()}
+    # An MTP head's own parts outside its block are never checkpointed; its rows double the LM head's.
+    mtp = model.mtp.saved_activations() if model.mtp is not None else NO_ACTIVATIONS
+    activations = {mode: sum(layers) + nbytes(mtp.none, mtp.none_fp32) for mode, layers in kept.items()}
     routed_buffers = 2 * N * args.num_experts_per_tok * args.hidden_size * b
 
     V, D = args.vocab_size, args.hidden_size
-    head_grads = N * D * b + V * D * b  # kept from forward (kernels.linear_cross_entropy)
-    chunk_logits = min(N, default_chunk_rows(V)) * V * b
+    head_rows = N * (2 if model.mtp is not None else 1)
+    head_grads = head_rows * D * b + V * D * b  # kept from forward (kernels.linear_cross_entropy)
+    chunk_logits = min(head_rows, default_chunk_rows(V)) * V * b
     by_name = {u.name: u for u in units}
     final, embeddings = by_name["final"], by_name["embeddings"]
 

@@ -35,6 +35,10 @@ class Qwen3_5MoeArgs(MoeArgs):
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     max_position_embeddings: int = 262144
+    # The multi-token-prediction head of the published checkpoints (``mtp.*``: one full-attention block predicting
+    # token t+2): trained with its cross-entropy added at this weight; 0: the model has no head (a checkpoint's is
+    # carried to the export untouched). Training-only: not in config.json.
+    mtp_loss_weight: float = 0.0
 
     @property
     def rotary_dim(self) -> int:
@@ -66,6 +70,8 @@ class Qwen3_5MoeArgs(MoeArgs):
             raise ValueError(f"model.arch.head_dim={self.head_dim} x model.arch.partial_rotary_factor="
                              f"{self.partial_rotary_factor} = {self.rotary_dim} rotary channels: must be even, "
                              "positive and at most head_dim")
+        if self.mtp_loss_weight < 0:
+            raise ValueError(f"model.arch.mtp_loss_weight={self.mtp_loss_weight} must be >= 0 (0: no MTP head)")
         if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
             raise ValueError(f"model.arch.mrope_section={self.mrope_section} must be 3 non-negative counts (t, h, w)")
 
@@ -83,15 +89,20 @@ class Qwen3_5MoeArgs(MoeArgs):
         moe_dense = self.num_experts * D + 3 * D * self.shared_expert_intermediate_size + D  # router, shared, its gate
         return attention, deltanet, moe_dense
 
+    def _block_types(self) -> list[str]:
+        """Every decoder block's mixer: the model's layers, then the MTP head's full-attention block, if built."""
+        return self.resolved_layer_types() + ([FULL_ATTENTION] if self.mtp_loss_weight > 0 else [])
+
     def param_counts(self) -> tuple[int, int, int]:
-        """(total, active per token, embedding) parameter counts."""
+        """(total, active per token, embedding) parameter counts (the MTP head's included, where built)."""
         D, E, K = self.hidden_size, self.num_experts, self.num_experts_per_tok
         attention, deltanet, moe_dense = self._layer_params()
-        types = self.resolved_layer_types()
+        types = self._block_types()
         n_full = types.count(FULL_ATTENTION)
         mixers = n_full * attention + (len(types) - n_full) * deltanet
         expert = 3 * D * self.moe_intermediate_size
-        dense = mixers + len(types) * (moe_dense + 2 * D) + D  # + two norms per layer, final norm
+        mtp = 2 * D * D + 3 * D if self.mtp_loss_weight > 0 else 0  # its fc and three norms, beside its block
+        dense = mixers + len(types) * (moe_dense + 2 * D) + D + mtp  # + two norms per layer, final norm
         embed = self.vocab_size * D
         head = self.lm_head_params()
         total = embed + head + dense + len(types) * E * expert
@@ -107,11 +118,15 @@ class Qwen3_5MoeArgs(MoeArgs):
           recurrence's three state products per token (read S^T k, write k delta^T, read S^T q; 2 FLOPs each per
           state entry). Independent of seq_len; the chunked form's extra intra-chunk products are not counted,
           like the masked half of causal attention.
+
+        The MTP head, where built, counts as its parameters, its full-attention block, and a second pass of the LM
+        head over its rows.
         """
         _, active, embed = self.param_counts()
-        types = self.resolved_layer_types()
+        types = self._block_types()
         n_full = types.count(FULL_ATTENTION)
         attention = 12 * n_full * self.num_attention_heads * self.head_dim * seq_len
         linear = 18 * (len(types) - n_full) * (self.linear_num_value_heads * self.linear_key_head_dim
                                                * self.linear_value_head_dim)
-        return 6 * (active - embed) + attention + linear
+        mtp_head = 6 * self.lm_head_params() if self.mtp_loss_weight > 0 else 0
+        return 6 * (active - embed) + mtp_head + attention + linear

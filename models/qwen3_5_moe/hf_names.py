@@ -2,9 +2,10 @@
 
 Two layouts: the text model (``model_type: qwen3_5_moe_text``, tensors under ``model.layers.N``) and the
 published multimodal one (``qwen3_5_moe``: the text hyper-parameters under ``text_config``, text tensors under
-``model.language_model.layers.N``, plus ``model.visual.*`` and ``mtp.*`` that a text trainer skips). Experts are
-per-expert on disk as for Qwen3-MoE (fused names are accepted too); ``rope_parameters`` nests the rotary
-settings. Export always writes the text layout, which ``AutoModelForCausalLM`` loads.
+``model.language_model.layers.N``, plus ``model.visual.*`` and ``mtp.*``). Experts are per-expert on disk as for
+Qwen3-MoE (fused names are accepted too); ``rope_parameters`` nests the rotary settings. A run from a checkpoint
+exports in its layout, carrying what it does not train (``models.hf_io.export_source``); otherwise export writes the
+text layout, which ``AutoModelForCausalLM`` loads.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ import torch
 import torch.nn as nn
 
 from models.attention import Attention
+from models.footprint import LayerActivations
 from models.causal_lm import MoeCausalLM, MoeDecoder, MoeDecoderLayer
 from models.layers import Documents
+from models.moe import RouterStats
 from models.init import ShardedInit, constant
 from models.qwen3_5_moe.args import FULL_ATTENTION, Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
@@ -51,8 +53,52 @@ class Qwen3_5MoeModel(MoeDecoder):
         return mrope_cos_sin(position_ids, self.args, dtype)
 
 
+class MultiTokenPredictor(nn.Module):
+    """Qwen3.5's MTP head (checkpoint names ``mtp.*``): at position t, the embedding of token t+1 and the model's
+    final-normed hidden state h_t, each through its own (1 + w) RMSNorm, concatenated in that order, projected back
+    to the hidden size by ``fc``, then one full-attention block with the MoE block (same rotary tables and
+    documents as the model's), and ``norm``; the model's LM head on that predicts token t+2.
+
+    Read from the published inference implementations: vLLM ``vllm/model_executor/models/qwen3_5_mtp.py``
+    (``Qwen3_5MultiTokenPredictor.forward``: ``torch.cat([pre_fc_norm_embedding(embeds), pre_fc_norm_hidden(
+    hidden_states)])``, ``fc``, ``layers[0]`` with ``layer_type="full_attention"``, ``norm``; its loader maps
+    ``mtp.`` to this module and shares the model's embedding and LM head) and SGLang
+    ``python/sglang/srt/models/qwen3_5_mtp.py`` (``Qwen3_5ForCausalLMMTP.forward``, the same order). The hidden state
+    they pass is the target model's output, after its final norm."""
+
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__()
+        D, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = OffsetRMSNorm(D, eps)
+        self.pre_fc_norm_hidden = OffsetRMSNorm(D, eps)
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(args, FULL_ATTENTION)])  # the published head has one
+        self.norm = OffsetRMSNorm(D, eps)
+
+    def saved_activations(self) -> LayerActivations:
+        """Outside its block, kept whatever the checkpointing (only blocks are checkpointed): the embedding of
+        t+1 and the block's output (the inputs of two norms), the concatenated fc input, three fp32 rstds. The
+        hidden state it reads is the LM head's input, counted there."""
+        D = self.fc.out_features
+        return LayerActivations(none=4 * D, none_fp32=3, selective=4 * D, selective_fp32=3)
+
+    def forward(self, embeds_BTD: torch.Tensor, h_BTD: torch.Tensor, cos_BTr: torch.Tensor, sin_BTr: torch.Tensor,
+                docs: Documents | None) -> tuple[torch.Tensor, list[RouterStats]]:
+        x_BTD = self.fc(torch.cat((self.pre_fc_norm_embedding(embeds_BTD), self.pre_fc_norm_hidden(h_BTD)), dim=-1))
+        stats = []
+        for layer in self.layers:
+            x_BTD, layer_stats = layer(x_BTD, cos_BTr, sin_BTr, docs)
+            stats.append(layer_stats)
+        return self.norm(x_BTD), stats
+
+
 class Qwen3_5MoeForCausalLM(MoeCausalLM):
     decoder_cls = Qwen3_5MoeModel
+
+    def __init__(self, args: Qwen3_5MoeArgs) -> None:
+        super().__init__(args)
+        if args.mtp_loss_weight > 0:
+            self.mtp = MultiTokenPredictor(args)
 
     def init_module(self, module: nn.Module, init: ShardedInit) -> None:
         """DeltaNet's dt_bias 1 and A_log = log U(0.01, 16) (kept away from 0 so that A_log stays finite), as
