@@ -180,7 +180,7 @@ def runs(tmp_path_factory):
                  for (family, name), (preset, mode) in AC_VARIANTS.items()})
     cfgs[f"qwen3_moe-{CHATS}-chats"] = train_config(tmp_path, "qwen3_moe", CHATS, run=f"{CHATS}-chats", chats=True)
     cfgs["qwen3_5_moe-mtp"] = train_config(tmp_path, "qwen3_5_moe", MTP[0], f"parallel.activation_checkpoint={MTP[1]}",
-                                           run="mtp", mtp=True)
+                                           run="cp-mtp", mtp=True)
     layouts = {preset: compose_config([f"parallel={preset}"]).parallel for preset in ("cp2", "cp4")}
     args = {family: model_args(family) for family in TINY}
     histories, logits = run_distributed(worker, WORLD, cfgs, weights, layouts, args, timeout_s=600)
