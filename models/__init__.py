@@ -45,6 +45,12 @@ class ModelSpec:
         lists = [self.blocks] + ([self.mtp_blocks] if self.mtp_blocks and _has(model, self.mtp_blocks) else [])
         return [(f"{name}.{i}", block) for name in lists for i, block in enumerate(model.get_submodule(name))]
 
+    def mtp_head(self, model: nn.Module) -> nn.Module | None:
+        """The module holding the MTP head's blocks and its own layers (fc, norms), where the model has one."""
+        if not (self.mtp_blocks and _has(model, self.mtp_blocks)):
+            return None
+        return model.get_submodule(self.mtp_blocks.rpartition(".")[0]) if "." in self.mtp_blocks else model
+
     def parameter_counts(self, model: nn.Module) -> tuple[int, int]:
         """(total, active per token) parameters of a built (possibly meta) model: of the routed experts' weights a
         token uses num_experts_per_tok / num_experts; everything else (shared experts, attention, embeddings) is

@@ -49,12 +49,13 @@ def _scale(t: torch.Tensor, op, n: int) -> None:
     R = dist.ReduceOp.RedOpType
     if kind == R.SUM:
         t.mul_(n)
-    elif kind == R.PREMUL_SUM:  # FSDP's custom divide factor, as NCCL applies it
+    elif kind == R.PREMUL_SUM and hasattr(op, "factor"):  # a custom divide factor as NCCL applies it (torch 2.13)
         t.mul_(op.factor * n)
     elif kind == R.PRODUCT:
         t.pow_(n)
     elif kind not in (R.AVG, R.MAX, R.MIN, R.BAND, R.BOR):
-        raise NotImplementedError(f"the loopback world has no reduce op {kind}")
+        raise NotImplementedError(f"the loopback world has no reduce op {kind} (a premultiplied sum only where torch "
+                                  "gives its factor: FSDP's is forced to a sum and a divide, parallelisms/parallelize)")
 
 
 class LoopbackGroup(dist.ProcessGroup):

@@ -29,6 +29,7 @@ from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.dims import ParallelDims
 from parallelisms.dispatchers import DispatcherConfig, dispatcher_class
 from parallelisms.expert_parallel import apply_expert_parallel, replace_single_rank_fsdp
+from parallelisms.loopback import BACKEND as LOOPBACK
 
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelConfig,
@@ -117,6 +118,12 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
         fully_shard(embeddings, **outer)
     for block in blocks:
         fully_shard(block, **outer)
+    head = spec.mtp_head(model)
+    if head is not None:
+        # An MTP head's own fc and norms (its block is a unit above) are a unit of their own, not the root's: the
+        # root's output is a dataclass, in which torch 2.11's FSDP finds no tensor to hang its pre-backward hook
+        # on, so the root's parameters, resharded after forward, would stay freed for the head's backward.
+        fully_shard(head, **outer)
     if not tied:
         fully_shard(final, **last)
     # 4. Root: whatever no unit holds, and the one place FSDP coordinates the lazy init and streams from.
@@ -165,10 +172,10 @@ def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: Ba
     shard_dim = expert_shard_dim(dims.efsdp, dims.ep, num_experts)
     if shard_dim:
         _check_even(experts[0], shard_dim, dims.efsdp)
-    # gloo has no PREMUL_SUM (how FSDP applies a custom divide factor): sum, then divide. Only where a
-    # reduce-scatter runs: with efsdp = 1 FSDP already divides in its copy, and forcing the sum as well
-    # would divide twice (torch 2.11-2.13).
-    force_sum = dims.efsdp > 1 and dist.get_backend(dims.mesh("world").get_group()) == "gloo"
+    # gloo has no PREMUL_SUM (how FSDP applies a custom divide factor), nor has the loopback world where torch's
+    # ReduceOp does not give its factor to Python (torch 2.11): sum, then divide. Only where a reduce-scatter runs:
+    # with efsdp = 1 FSDP already divides in its copy, and forcing the sum as well would divide twice (2.11-2.13).
+    force_sum = dims.efsdp > 1 and dist.get_backend(dims.mesh("world").get_group()) in ("gloo", LOOPBACK)
     for module in experts:
         fully_shard(module, mesh=dims.mesh("expert_fsdp"), shard_placement_fn=lambda _: Shard(shard_dim),
                     mp_policy=mp_policy, reshard_after_forward=backend.reshard_after_forward)

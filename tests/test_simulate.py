@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from unittest import mock
@@ -251,3 +253,18 @@ def test_what_a_simulation_cannot_do_is_refused_in_one_line(overrides, error):
     with pytest.raises(ValueError, match=error):
         validate(compose_config(overrides))
 
+
+
+def test_scripts_simulate_measures_a_rank_and_predicts_the_job(tmp_path):
+    """The README's command on the tiny default: rank 0 of a 4-rank ep2 job, its report and simulation.json."""
+    out = subprocess.run([sys.executable, "scripts/simulate.py", "parallel=ep2", "sim.world=4", "sim.steps=3",
+                          "train.local_batch_size=2", "data.seq_len=32", f"sim.out={tmp_path}"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 0 of 4 (ep2, routing balanced, 64 tokens per GPU per step)" in out.stdout
+    report = json.loads((tmp_path / "simulation.json").read_text())
+    assert report["world"] == 4 and report["predicted_tokens_per_s_per_gpu"] > 0
+    assert {c["kind"] for c in report["collectives"]} == {"all_gather", "reduce_scatter", "all_to_all"}
+    bad = subprocess.run([sys.executable, "scripts/simulate.py", "sim.wrld=4"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: ValueError: sim has no key 'wrld'")
