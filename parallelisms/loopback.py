@@ -2,7 +2,7 @@
 
 ``launch.simulate_world=N`` runs train.py as rank ``launch.simulate_rank`` of N under this process group: the meshes,
 DTensor placements, FSDP and expert-FSDP shards, dispatcher splits and prefetch chains are the real job's, and so is
-every tensor this rank computes, for a real job whose ranks all read the same batch and hold equal shards (each
+every tensor this rank computes but the experts' gradients (below), for a real job whose ranks all read the same batch and hold equal shards (each
 sharded tensor tiled from this rank's shard). Each collective returns what that job's collective would return here:
 
 - all-gather: N copies of the local input (the tiled tensor);
@@ -18,7 +18,7 @@ sharded tensor tiled from this rank's shard). Each collective returns what that 
 
 The copies are device copies on the stream the caller is on (FSDP's all-gather stream, say), each inside a
 profiler range named ``loopback <collective>`` so that a profile counts them apart from compute. What is sent is
-counted per collective kind and group (``LoopbackGroup.counted``): bytes of each call's input, as the planner counts.
+counted per collective kind and group (``COUNTED``): bytes of each call's input, as the planner counts.
 Point-to-point sends and receives (no layout of this project uses them) are refused by name.
 """
 
