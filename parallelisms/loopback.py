@@ -2,8 +2,9 @@
 
 ``launch.simulate_world=N`` runs train.py as rank ``launch.simulate_rank`` of N under this process group: the meshes,
 DTensor placements, FSDP and expert-FSDP shards, dispatcher splits and prefetch chains are the real job's, and so is
-every tensor this rank computes but the experts' gradients (below), for a real job whose ranks all read the same batch and hold equal shards (each
-sharded tensor tiled from this rank's shard). Each collective returns what that job's collective would return here:
+every tensor this rank computes but the experts' gradients (below), for a real job whose ranks all read the same
+batch and hold equal shards (each sharded tensor tiled from this rank's shard). Each collective returns what that
+job's collective would return here:
 
 - all-gather: N copies of the local input (the tiled tensor);
 - reduce-scatter: this rank's chunk of the input, times N (sum) or once (average);
