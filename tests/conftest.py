@@ -260,3 +260,38 @@ def tiny_run_config(tmp_path):
 
     torch.manual_seed(0)
     return make
+
+
+def stopped_run(base: Path) -> Path:
+    """Train the tiny model 4 steps on base/tokens.npy into base/run with checkpoints at 2 and 4, and leave it as if
+    stopped after its last checkpoint (SIGTERM at step 4): a resume loads step 4 rather than finding it finished.
+    Returns ``base``; a module trains it once (a module-scoped fixture) for its resume tests."""
+    import train
+
+    write_tokens(base / "tokens.npy", 4096)
+    train.run(compose_config([*TINY_MODEL, "data=tokens", f"data.path={base / 'tokens.npy'}", "data.seq_len=32",
+                              f"data.cache_dir={base / 'cache'}", f"train.output_dir={base / 'run'}",
+                              "train.local_batch_size=4", "logging.tensorboard=false", "train.steps=4",
+                              "checkpoint.interval=2", "train.device=cpu"]))
+    record = json.loads((base / "run" / "run.json").read_text())
+    (base / "run" / "run.json").write_text(json.dumps({**record, "finished": False}))
+    return base
+
+
+def file_size_limited(write, limit: int):
+    """``write(path, array)`` under a file-size limit of ``limit`` bytes (SIGXFSZ ignored): what a full disk is to
+    numpy, an OSError without an errno; the limit and the handler are put back after the call."""
+    import resource
+    import signal
+
+    def limited(path, array):
+        handler, limits = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limits[1]))
+        try:
+            write(path, array)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, handler)
+
+    return limited
+

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import train
-from tests.conftest import TINY_MODEL, compose_config, write_chats, write_tokens
+from tests.conftest import TINY_MODEL, stopped_run, write_chats, write_tokens
 from training import checkpoint as ckpt
 from training.data.config import DataConfig
 from training.data.loader import PackedLoader, build_data_loader
@@ -33,17 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """One run of 4 steps with checkpoints at 2 and 4, trained once for this module, as if stopped after its last
-    checkpoint (so that a resume loads step 4)."""
-    base = tmp_path_factory.mktemp("trained")
-    write_tokens(base / "tokens.npy", 4096)
-    train.run(compose_config([*TINY_MODEL, "data=tokens", f"data.path={base / 'tokens.npy'}", "data.seq_len=32",
-                              f"data.cache_dir={base / 'cache'}", f"train.output_dir={base / 'run'}",
-                              "train.local_batch_size=4", "logging.tensorboard=false", "train.steps=4",
-                              "checkpoint.interval=2", "train.device=cpu"]))
-    record = json.loads((base / "run" / "run.json").read_text())
-    (base / "run" / "run.json").write_text(json.dumps({**record, "finished": False}))
-    return base
+    """One run of 4 steps with checkpoints at 2 and 4, trained once for this module, as if stopped after step 4."""
+    return stopped_run(tmp_path_factory.mktemp("trained"))
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ import importlib.resources
 import dataclasses
 import json
 import random
-import resource
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 import torch
 
 from core.constants import IGNORE_INDEX
+from tests.conftest import file_size_limited
 from training.data import cache as cache_module
 from training.data.config import DataConfig, validate_data_config
 from training.data.loader import build_data_loader
@@ -397,16 +396,7 @@ def test_empty_jsonl_names_data_path(tmp_path: Path) -> None:
 def test_a_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path: Path, monkeypatch) -> None:
     """A file-size limit (what a full disk is to numpy: an OSError without an errno) around the real cache write:
     the error names the cache file, its size, the free space and data.cache_dir; no partial file is left."""
-    def limited(path, array, write=cache_module.atomic_write_npy):
-        handler, limits = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
-        try:
-            write(path, array)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-            signal.signal(signal.SIGXFSZ, handler)
-
-    monkeypatch.setattr(cache_module, "atomic_write_npy", limited)
+    monkeypatch.setattr(cache_module, "atomic_write_npy", file_size_limited(cache_module.atomic_write_npy, 1024))
     row = b'{"messages": [' + _MSG + b', {"role": "assistant", "content": "hello there"}]}'
     cfg = _jsonl_cfg(tmp_path / "d.jsonl", [row] * 40)
     with pytest.raises(OSError, match=r"could not write the tokenized-corpus cache .*cache/jsonl-qwen3-\w+\.npy "

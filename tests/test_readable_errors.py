@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import train
-from tests.conftest import compose_config
+from tests.conftest import compose_config, file_size_limited
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,15 +133,10 @@ def test_the_start_says_how_many_times_the_run_reads_its_data(tiny_run_config, t
 def test_sighup_stops_as_sigterm_does_with_a_checkpoint(tmp_path):
     """The terminal or ssh session closed (before: exit 129, nothing logged, nothing saved since the last checkpoint):
     a checkpoint at the current step, logged, exit 0, and train.resume=auto continues from it."""
-    from tests.test_run_safety import _args, _logged, _losses, _wait_for
+    from tests.test_run_safety import _losses, _signalled_after_step_2
     from training.checkpoint import complete_checkpoints
 
-    proc = subprocess.Popen(_args(tmp_path, "train.steps=100000"), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    run_dir = tmp_path / "run"
-    _wait_for(lambda: _logged(run_dir, 2), proc, "step 2")
-    proc.send_signal(signal.SIGHUP)
-    _, stderr = proc.communicate(timeout=120)
+    proc, stderr, run_dir = _signalled_after_step_2(tmp_path, signal.SIGHUP)
     assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
     stopped = max(_losses(run_dir))
     assert complete_checkpoints(run_dir / "checkpoints")[-1].name == f"step_{stopped:08d}"
@@ -322,16 +317,7 @@ def test_a_full_disk_while_tokenizing_into_the_cache_names_the_folder_and_the_ke
     from training.data.config import DataConfig
     from training.data.loader import build_data_loader
 
-    def limited(path, array, write=tokenize_shards.atomic_write_npy):
-        handler, limits = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
-        try:
-            write(path, array)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-            signal.signal(signal.SIGXFSZ, handler)
-
-    monkeypatch.setattr(tokenize_shards, "atomic_write_npy", limited)
+    monkeypatch.setattr(tokenize_shards, "atomic_write_npy", file_size_limited(tokenize_shards.atomic_write_npy, 64))
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"text": "hello there, a document of some words"}) + "\n")
     cfg = DataConfig(name="jsonl", path=str(path), seq_len=4, cache_dir=str(tmp_path / "cache"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import train
-from tests.conftest import TINY_MODEL, compose_config, write_tokens
+from tests.conftest import TINY_MODEL, stopped_run, write_tokens
 from training import checkpoint as ckpt
 from training.config import OptimConfig
 from training.optim import lr_multiplier
@@ -24,18 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """One run of 4 steps with checkpoints at 2 and 4, trained once for this module."""
-    base = tmp_path_factory.mktemp("trained")
-    write_tokens(base / "tokens.npy", 4096)
-    train.run(compose_config([*TINY_MODEL, "data=tokens", f"data.path={base / 'tokens.npy'}", "data.seq_len=32",
-                              f"data.cache_dir={base / 'cache'}", f"train.output_dir={base / 'run'}",
-                              "train.local_batch_size=4", "logging.tensorboard=false", "train.steps=4",
-                              "checkpoint.interval=2", "train.device=cpu"]))
-    # As if stopped after its last checkpoint (SIGTERM at step 4): a resume loads step 4 rather than finding the
-    # run finished.
-    record = json.loads((base / "run" / "run.json").read_text())
-    (base / "run" / "run.json").write_text(json.dumps({**record, "finished": False}))
-    return base
+    """One run of 4 steps with checkpoints at 2 and 4, trained once for this module, as if stopped after step 4."""
+    return stopped_run(tmp_path_factory.mktemp("trained"))
 
 
 @pytest.fixture

@@ -74,6 +74,18 @@ def _logged(run_dir: Path, n: int) -> bool:
     return metrics.exists() and len(metrics.read_text().splitlines()) >= n
 
 
+def _signalled_after_step_2(tmp_path: Path, signum: int) -> tuple[subprocess.Popen, str, Path]:
+    """A long tiny run in tmp_path/run sent ``signum`` once it has logged step 2: the finished process, its
+    stderr and the run directory."""
+    proc = subprocess.Popen(_args(tmp_path, "train.steps=100000"), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "run"
+    _wait_for(lambda: _logged(run_dir, 2), proc, "step 2")
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    return proc, stderr, run_dir
+
+
 # ------------------------------------------------------------------------------------- 2: one run per directory
 def test_a_second_run_into_a_held_directory_is_one_line_naming_the_holder(tmp_path):
     first = subprocess.Popen(_args(tmp_path, "train.steps=100000"), cwd=REPO, stdout=subprocess.DEVNULL,
@@ -256,12 +268,7 @@ def test_final_weights_past_a_file_size_limit_name_the_file(tmp_path):
 
 # ------------------------------------------------------------------------------------- 10: Ctrl-C
 def test_ctrl_c_checkpoints_and_exits_130_with_one_line(tmp_path):
-    proc = subprocess.Popen(_args(tmp_path, "train.steps=100000"), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    run_dir = tmp_path / "run"
-    _wait_for(lambda: _logged(run_dir, 2), proc, "step 2")
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
+    proc, stderr, run_dir = _signalled_after_step_2(tmp_path, signal.SIGINT)
     assert proc.returncode == 130, stderr[-3000:]
     stopped = max(_losses(run_dir))
     saved = ckpt.complete_checkpoints(run_dir / "checkpoints")[-1]
