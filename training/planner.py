@@ -343,8 +343,15 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     # The last block (with its experts) gathered with its gradients, and the block before it prefetched.
     last_block = [by_name[f"block {len(blocks) - 1}"], by_name[f"block {len(blocks) - 1} experts"]]
     last = sum(gathered_with_grads(u) + u.numel * b for u in last_block)
+    # Over a one-rank expert mesh the experts are no FSDP unit: each keeps its compute copy for the whole step
+    # (``expert_parallel.replace_single_rank_fsdp``), which the last block reads in place of a gather.
+    expert_copies = 0
+    if step.backend == "fsdp2" and s.efsdp == 1 and b != FP32:
+        expert_units = [u for u in units if u.name.endswith(" experts")]
+        expert_copies = sum(u.numel for u in expert_units) * b
+        last -= 2 * last_block[1].numel * b
     mode = step.checkpoint
-    static = params + optimizer
+    static = params + optimizer + expert_copies
     if step.backend != "fsdp2":
         return _unsharded_memory(params, grads, optimizer, activations[mode], recompute[mode], routed_buffers,
                                  chunk_logits + head_grads, sum(u.numel for u in [*last_block, final]) * FP32,
@@ -358,7 +365,7 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     }
     phase = max(moments, key=moments.get)
     return Memory(params=params, grads=grads, optimizer=optimizer, activations=activations, recompute=recompute,
-                  routed_buffers=routed_buffers, lm_head=chunk_logits + head_grads, fsdp_buffers=last,
+                  routed_buffers=routed_buffers, lm_head=chunk_logits + head_grads, fsdp_buffers=last + expert_copies,
                   peak=moments[phase], peak_phase=phase)
 
 
