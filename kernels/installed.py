@@ -1,5 +1,5 @@
 """The kernels in use for the ops that kernel functions call, not the model: the dispatch path's K-to-one gathers
-and token permutes (``kernels.permute``) and the grouped GEMM (``kernels.grouped_mm``), per device type.
+and token permutes (``kernels.moe.permute``) and the grouped GEMM (``kernels.moe.grouped_mm``), per device type.
 
 ``kernels.registry`` chooses them from ``kernel_config`` with every other op, and ``apply_kernels`` (``install``)
 puts its choice here; the model's ops go into its kernel slots instead. Until then, and for tensors on any other

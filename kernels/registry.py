@@ -5,9 +5,9 @@ op's own key (``kernel_config.attention``), must run, or selection fails.
 
 Two kinds of op, chosen alike: those the models call through a kernel slot (see ``models/layers.py``: norms,
 activations, rotary, the cross-entropy step, the delta rule, packed-document attention), and those the dispatch
-path's kernel functions call (``kernels.permute``'s K-to-one steps and token permutes, ``kernels.grouped_mm``,
-``kernels.adamw``, ``kernels.cast``), which EP dispatchers, the experts, the gradient hand-off and the optimizer use
-without ever checking the device.
+path's kernel functions call (``kernels.moe.permute``'s K-to-one steps and token permutes, ``kernels.moe.grouped_mm``,
+``kernels.optim.adamw``, ``kernels.optim.cast``), which EP dispatchers, the experts, the gradient hand-off and the
+optimizer use without ever checking the device.
 
 ``select_kernels(cfg, device_type)`` chooses one implementation per op and records why (``Kernels.log``: one line
 per op at start-up); ``apply_kernels(model, kernels)`` installs the choices: into every module's kernel slots, and
@@ -29,21 +29,22 @@ import torch
 import torch.nn as nn
 
 from core import device
-from kernels import fla, installed
-from kernels.adamw import adamw_step_torch
-from kernels.attention import DenseMaskAttention, FlexAttention, VarlenAttention, varlen_signature_problem
-from kernels.cast import cast_gradient_torch
+from kernels import installed
+from kernels.attention.attention import DenseMaskAttention, FlexAttention, VarlenAttention, varlen_signature_problem
 from kernels.config import AUTO, CUDNN_ATTENTION, FLA, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, plugin_names
-from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from kernels.float8_permute import gather_quantize_rows_torch
-from kernels.grouped_mm import per_group_mm
-from kernels.linear_cross_entropy import softmax_cross_entropy_
-from kernels.norm import gated_rms_norm, offset_rms_norm, rms_norm
-from kernels.permute import (gather_sum_torch, moe_token_permute_torch, moe_token_unpermute_torch,
-                             unpermute_backward_torch)
-from kernels.rotary import apply_rotary
-from kernels.short_conv import causal_conv1d_silu
-from kernels.swiglu import packed_swiglu, swiglu
+from kernels.float8.permute import gather_quantize_rows_torch
+from kernels.linear_attention import fla
+from kernels.linear_attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.linear_attention.short_conv import causal_conv1d_silu
+from kernels.loss.linear_cross_entropy import softmax_cross_entropy_
+from kernels.moe.grouped_mm import per_group_mm
+from kernels.moe.permute import (gather_sum_torch, moe_token_permute_torch, moe_token_unpermute_torch,
+                                 unpermute_backward_torch)
+from kernels.optim.adamw import adamw_step_torch
+from kernels.optim.cast import cast_gradient_torch
+from kernels.tokenwise.norm import gated_rms_norm, offset_rms_norm, rms_norm
+from kernels.tokenwise.rotary import apply_rotary
+from kernels.tokenwise.swiglu import packed_swiglu, swiglu
 
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
@@ -165,30 +166,31 @@ def _fla_chunk_fix_unneeded(env: Env) -> str | None:
     return "FLA's own chunk_bwd_dqkwg is right on this stack"
 
 
-_TRITON_MODULES = {"rms_norm": "kernels.triton_norm", "offset_rms_norm": "kernels.triton_norm",
-                   "gated_rms_norm": "kernels.triton_norm", "swiglu": "kernels.triton_swiglu",
-                   "packed_swiglu": "kernels.triton_swiglu"}
+_TRITON_MODULES = {"rms_norm": "kernels.tokenwise.triton_norm", "offset_rms_norm": "kernels.tokenwise.triton_norm",
+                   "gated_rms_norm": "kernels.tokenwise.triton_norm", "swiglu": "kernels.tokenwise.triton_swiglu",
+                   "packed_swiglu": "kernels.tokenwise.triton_swiglu"}
 
 
 def _auto(op: str, reference: Callable) -> OpSpec:
     """An op with a fused Triton kernel on CUDA and a torch_npu op on NPU."""
     return OpSpec(AUTO, lambda cfg: reference, (
         Impl("triton", ("cuda",), _lazy(_TRITON_MODULES[op], op), _needs_triton),
-        Impl("torch_npu", ("npu",), _lazy("kernels.npu", op), _needs_torch_npu),
+        Impl("torch_npu", ("npu",), _lazy("kernels.tokenwise.npu", op), _needs_torch_npu),
     ))
 
 
 def _dispatch(reference: Callable, *impls: Impl) -> OpSpec:
-    """An op of the dispatch path (called by ``kernels.permute`` / ``kernels.grouped_mm``, not a model slot)."""
+    """An op of the dispatch path (called by ``kernels.moe.permute`` / ``kernels.moe.grouped_mm``, not a model slot)."""
     return OpSpec(AUTO, lambda cfg: reference, impls, slot=False)
 
 
-def _triton_permute(op: str) -> Impl:
-    return Impl("triton", ("cuda",), _lazy("kernels.triton_permute", op), _needs_triton)
+def _triton_permute(op: str, group: str = "moe") -> Impl:
+    """A dispatch-path gather's Triton kernel, in ``kernels/<group>/triton_permute.py`` beside its reference."""
+    return Impl("triton", ("cuda",), _lazy(f"kernels.{group}.triton_permute", op), _needs_triton)
 
 
 def _npu_moe(op: str, note: str = "") -> Impl:
-    return Impl("torch_npu", ("npu",), _lazy("kernels.npu_moe", op), _needs_torch_npu, note)
+    return Impl("torch_npu", ("npu",), _lazy("kernels.moe.npu", op), _needs_torch_npu, note)
 
 
 def _needs_flex(env: Env) -> str | None:
@@ -231,7 +233,8 @@ _ATTENTION = {
                       _needs_varlen, "flash attention over the documents (cu_seqlens)"),
     FLEX_ATTENTION: Impl(FLEX_ATTENTION, ("cuda",), lambda cfg: FlexAttention(),
                          _needs_flex, "document BlockMask; compiled at the first packed batch"),
-    CUDNN_ATTENTION: Impl(CUDNN_ATTENTION, ("cuda",), _lazy_instance("kernels.cudnn_attention", "CudnnAttention"),
+    CUDNN_ATTENTION: Impl(CUDNN_ATTENTION, ("cuda",),
+                          _lazy_instance("kernels.attention.cudnn_attention", "CudnnAttention"),
                           _needs_cudnn_ragged, "cuDNN's ragged SDPA over the documents; a graph pair per (document "
                           "count, longest document) bucket, built at its first batch", opt_in=True),
 }
@@ -248,18 +251,19 @@ OPS: dict[str, OpSpec] = {
     "swiglu": _auto("swiglu", swiglu),
     "packed_swiglu": _auto("packed_swiglu", packed_swiglu),
     "softmax_cross_entropy": OpSpec(AUTO, lambda cfg: softmax_cross_entropy_, (
-        Impl("triton", ("cuda",), _lazy("kernels.triton_cross_entropy", "softmax_cross_entropy_"), _needs_triton),)),
+        Impl("triton", ("cuda",), _lazy("kernels.loss.triton_cross_entropy", "softmax_cross_entropy_"),
+             _needs_triton),)),
     "apply_rotary": OpSpec(AUTO, lambda cfg: apply_rotary, (
-        Impl("triton", ("cuda",), _lazy("kernels.triton_rotary", "apply_rotary"), _needs_triton),
-        Impl("torch_npu", ("npu",), _lazy("kernels.npu", "apply_rotary"), _needs_torch_npu),)),
+        Impl("triton", ("cuda",), _lazy("kernels.tokenwise.triton_rotary", "apply_rotary"), _needs_triton),
+        Impl("torch_npu", ("npu",), _lazy("kernels.tokenwise.npu", "apply_rotary"), _needs_torch_npu),)),
     "chunk_gated_delta_rule": OpSpec(
         FLA, lambda cfg: functools.partial(chunk_gated_delta_rule, chunk_size=cfg.chunk_size),
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.chunk_gated_delta_rule(cfg.chunk_size), _fla_chunk_unavailable),
          # Triton 3.4-3.7.0 on Hopper (torch 2.11 / 2.12.0's own): FLA, its one miscompiled step made safe.
          Impl(FLA_HOPPER_DQKWG, ("cuda",), lambda cfg: fla.chunk_gated_delta_rule_hopper_safe(cfg.chunk_size),
               _fla_chunk_fix_unneeded, "FLA #640: its chunk_bwd_dqkwg backward step runs FLA's kernel at 128-wide "
-              "tiles where both head dims exceed 64, else in torch (kernels/fla_dqkwg.py); every other FLA kernel "
-              "as FLA's"))),
+              "tiles where both head dims exceed 64, else in torch (kernels/linear_attention/fla_dqkwg.py); every "
+              "other FLA kernel as FLA's"))),
     "document_attention": OpSpec(
         AUTO, lambda cfg: DenseMaskAttention(),
         tuple(_ATTENTION.values()), config_key="attention"),
@@ -267,33 +271,34 @@ OPS: dict[str, OpSpec] = {
         FLA, lambda cfg: recurrent_gated_delta_rule,
         (Impl(FLA, _FLA_DEVICES, lambda cfg: fla.fused_recurrent_gated_delta_rule(), _needs_fla),)),
     # DeltaNet's short convolution and silu: FLA's Triton kernel where kernel_config asks FLA for it, else ours
-    # (kernels/triton_short_conv.py). Both run on CUDA only (FLA's is untried under triton-ascend here), so an NPU
-    # run takes the torch one, and says so.
+    # (kernels/linear_attention/triton_short_conv.py). Both run on CUDA only (FLA's is untried under triton-ascend
+    # here), so an NPU run takes the torch one, and says so.
     "causal_conv1d_silu": OpSpec(
         AUTO, lambda cfg: causal_conv1d_silu,
         (Impl(FLA, ("cuda",), lambda cfg: fla.causal_conv1d_silu(), _needs_fla, plugin=FLA),
-         Impl("triton", ("cuda",), _lazy("kernels.triton_short_conv", "causal_conv1d_silu"), _needs_triton)),
+         Impl("triton", ("cuda",), _lazy("kernels.linear_attention.triton_short_conv", "causal_conv1d_silu"),
+              _needs_triton)),
         reference_elsewhere=True),
     # The dispatch path. The K-to-one steps of the torch permutes (the EP dispatchers' gathers):
     "gather_sum": _dispatch(gather_sum_torch, _triton_permute("gather_sum")),
     "unpermute_backward": _dispatch(unpermute_backward_torch, _triton_permute("unpermute_backward")),
-    # train.float8's experts: the dispatch gather writing e4m3 rows and their scales (kernels/float8_permute.py)
-    "gather_quantize_rows": _dispatch(gather_quantize_rows_torch, _triton_permute("gather_quantize_rows")),
+    # train.float8's experts: the dispatch gather writing e4m3 rows and their scales (kernels/float8/permute.py)
+    "gather_quantize_rows": _dispatch(gather_quantize_rows_torch, _triton_permute("gather_quantize_rows", "float8")),
     # A dispatcher's whole token permute and unpermute; chosen together (the unpermute reads the permute's state).
     "moe_token_permute": _dispatch(moe_token_permute_torch, _npu_moe("moe_token_permute")),
     "moe_token_unpermute": _dispatch(moe_token_unpermute_torch, _npu_moe("moe_token_unpermute")),
     # The experts' GEMMs; the reference is the exact per-expert loop (on CPU, torch's _grouped_mm is that loop).
     "grouped_mm": _dispatch(
         per_group_mm,
-        Impl("torch._grouped_mm", ("cuda",), _lazy("kernels.grouped_mm", "native_grouped_mm"), _needs_grouped_mm,
+        Impl("torch._grouped_mm", ("cuda",), _lazy("kernels.moe.grouped_mm", "native_grouped_mm"), _needs_grouped_mm,
              "where it supports the dtype (probed at the first call), else the per-expert loop"),
         _npu_moe("grouped_mm", "the per-expert loop where an expert gets no rows or is the only one")),
     # One process's gradient hand-off (parallelisms/compute_copy.py): bf16 to fp32 in the parameter's layout.
-    "cast_gradient": _dispatch(cast_gradient_torch, Impl("triton", ("cuda",), _lazy("kernels.triton_cast",
+    "cast_gradient": _dispatch(cast_gradient_torch, Impl("triton", ("cuda",), _lazy("kernels.optim.triton_cast",
                                                                                      "cast_gradient"), _needs_triton)),
     # The optimizer's update (training.optim.AdamW, the CUDA default), one pass per parameter.
-    "adamw_step": _dispatch(adamw_step_torch, Impl("triton", ("cuda",), _lazy("kernels.triton_adamw", "adamw_step"),
-                                                   _needs_triton)),
+    "adamw_step": _dispatch(adamw_step_torch, Impl("triton", ("cuda",), _lazy("kernels.optim.triton_adamw",
+                                                                               "adamw_step"), _needs_triton)),
 }
 SLOT_OPS = tuple(op for op, spec in OPS.items() if spec.slot)  # what models call through their kernel slots
 INSTALLED_OPS = tuple(op for op, spec in OPS.items() if not spec.slot)  # what kernel functions call

@@ -9,7 +9,7 @@ from typing import Callable, ClassVar, Mapping
 import torch
 import torch.nn as nn
 
-from kernels.rotary import apply_rotary
+from kernels.tokenwise.rotary import apply_rotary
 from models.footprint import LayerActivations, SequenceExchange
 from models.layers import DenseMaskAttention, Documents
 from models.sequence_ops import Heads, Passed, SequenceOp
@@ -20,8 +20,8 @@ CORE_ATTENTION = SequenceOp(args=(Heads(seq_dim=2, head_dim=1), Heads(2, 1, shar
 
 
 class Attention(nn.Module):
-    """GQA, causal within packed documents (the ``attention`` slot: ``kernels/attention.py``). ``norm(dim, eps)``
-    builds the q/k norms (RMSNorm, or Qwen3.5's (1 + w) form)."""
+    """GQA, causal within packed documents (the ``attention`` slot: ``kernels/attention/attention.py``).
+    ``norm(dim, eps)`` builds the q/k norms (RMSNorm, or Qwen3.5's (1 + w) form)."""
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"rotary": "apply_rotary", "attention": "document_attention"}
     sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"core_attention": CORE_ATTENTION}

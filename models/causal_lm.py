@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from core.constants import IGNORE_INDEX
 from core.device import queued_copy
-from kernels.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entropy_sum, softmax_cross_entropy_
+from kernels.loss.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entropy_sum, softmax_cross_entropy_
 from models.init import ShardedInit, constant, normal
 from models.layers import DenseMaskAttention, Documents, KnownDocuments, RMSNorm, document_ids
 from models.moe import GroupedExperts, RouterStats, TopKRouter
@@ -60,7 +60,7 @@ def mtp_batch(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, position_ids:
 
 class LMHead(nn.Linear):
     """``nn.Linear`` to the vocabulary that can also return the summed cross-entropy without materialising
-    the logits (``kernels.linear_cross_entropy``). It stays one module called through ``__call__`` so that
+    the logits (``kernels.loss.linear_cross_entropy``). It stays one module called through ``__call__`` so that
     FSDP's hooks gather the weight either way. The per-chunk softmax + gradient is a kernel slot."""
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"ce_fn": "softmax_cross_entropy"}
@@ -127,7 +127,7 @@ class MoeDecoder(nn.Module):
     """Embeddings, the blocks and the final norm (transformers' names). A family passes its blocks and norm and
     says in ``rotary_tables`` how position ids become the (cos, sin) its attention takes. Its ``attention`` slot
     holds the same document-attention kernel as every attention layer's: it builds what that kernel needs about the
-    batch's documents once, before the layers (``kernels/attention.py``)."""
+    batch's documents once, before the layers (``kernels/attention/attention.py``)."""
 
     kernel_slots: ClassVar[Mapping[str, str]] = {"attention": "document_attention"}
     sequence_ops: ClassVar[Mapping[str, SequenceOp]] = {"find_documents": FIND_DOCUMENTS}

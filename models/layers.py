@@ -3,9 +3,10 @@
 Letters as in DEVELOPERS.md ("Shape suffixes"), in every file of models/.
 
 Kernel slots: a module class may declare ``kernel_slots`` (attribute -> op name). It calls that op through the
-attribute, which holds the op's torch reference by default (``kernels/norm.py``, ``swiglu.py``, ``rotary.py``,
-``delta_rule.py``, each beside its device kernels in the layer below); ``kernels.registry.apply_kernels`` installs
-device kernels with the same signature from the outside, so the model never imports a device package.
+attribute, which holds the op's torch reference by default (``kernels/tokenwise/norm.py``, ``swiglu.py``,
+``rotary.py``, ``kernels/linear_attention/delta_rule.py``, each beside its device kernels in the layer below);
+``kernels.registry.apply_kernels`` installs device kernels with the same signature from the outside, so the model
+never imports a device package.
 
 Sequence ops: the few ops that mix tokens across the sequence (attention's core, DeltaNet's conv and delta rule, and
 finding documents from position ids) are methods a module declares in ``sequence_ops`` (method -> ``SequenceOp``,
@@ -15,8 +16,8 @@ outside); everything else in the model is token-wise and never knows.
 
 Packed documents: position ids restart at each document (``document_ids``); attention then stays within documents
 and DeltaNet restarts its state and conv window, as if every document were its own row. The decoder turns the ids
-into a ``Documents`` once per forward (``kernels/attention.py``: what the chosen attention kernel needs, e.g. a
-FlexAttention block mask, and FLA's ``cu_seqlens``) and passes it to every layer.
+into a ``Documents`` once per forward (``kernels/attention/attention.py``: what the chosen attention kernel needs, e.g.
+a FlexAttention block mask, and FLA's ``cu_seqlens``) and passes it to every layer.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import torch
 import torch.nn as nn
 
 from core.device import queued_copy
-from kernels.attention import DenseMaskAttention, Documents, KnownDocuments, document_cu_seqlens
-from kernels.norm import rms_norm
-from kernels.rotary import apply_rotary, rotate_half
-from kernels.swiglu import packed_swiglu, swiglu
+from kernels.attention.attention import DenseMaskAttention, Documents, KnownDocuments, document_cu_seqlens
+from kernels.tokenwise.norm import rms_norm
+from kernels.tokenwise.rotary import apply_rotary, rotate_half
+from kernels.tokenwise.swiglu import packed_swiglu, swiglu
 
 # The references too: the families' slot defaults.
 __all__ = ["DenseMaskAttention", "Documents", "KnownDocuments", "RMSNorm", "apply_rotary", "document_cu_seqlens",

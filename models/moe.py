@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.grouped_mm import grouped_mm
-from kernels.permute import (RoutedRows, moe_token_permute, moe_token_routed_rows, moe_token_unpermute,
+from kernels.moe.grouped_mm import grouped_mm
+from kernels.moe.permute import (RoutedRows, moe_token_permute, moe_token_routed_rows, moe_token_unpermute,
                              moe_token_unpermute_torch)
-from kernels.swiglu import packed_swiglu
+from kernels.tokenwise.swiglu import packed_swiglu
 from models.footprint import LayerActivations
 
 
@@ -142,7 +142,7 @@ class LocalDispatcher:
     router weights. The reference every expert-parallel dispatcher reproduces (same call,
     ``parallelisms.dispatchers.base.Dispatcher``).
 
-    The token moves are ``kernels.permute``'s, the kernels the registry installs (on CUDA the Triton K-to-one
+    The token moves are ``kernels.moe.permute``'s, the kernels the registry installs (on CUDA the Triton K-to-one
     gathers and sums the fused dispatcher uses): gathers whose backward is a gather, no ``index_add_`` or
     ``index_put_`` with atomics, and nothing read back to the host (the grouped GEMM's offsets are a device
     cumsum of ``counts_E``)."""
@@ -192,7 +192,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
         self.dispatcher: DispatchFn = LocalDispatcher()
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = packed_swiglu
-        # The grouped GEMM (kernels.grouped_mm's call): the registry's kernel, unless parallelisms.float8 sets
+        # The grouped GEMM (kernels.moe.grouped_mm's call): the registry's kernel, unless parallelisms.float8 sets
         # another product (FP8) for these experts.
         self.grouped_mm: Callable[..., torch.Tensor] = grouped_mm
 

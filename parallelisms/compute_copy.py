@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
-from kernels.cast import cast_gradient
+from kernels.optim.cast import cast_gradient
 
 # Optimizer steps taken in this process, by any optimizer (an unrelated one's step costs a re-cast, never a stale
 # copy): process-wide and registered at import, as every optimizer's step must be seen.

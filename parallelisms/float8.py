@@ -1,6 +1,6 @@
 """FP8 training, ``train.float8=rowwise``: the decoder blocks' projections (attention, DeltaNet, dense MLPs) become
-torchao ``Float8Linear`` and the routed experts' grouped GEMMs run ``kernels.float8_grouped_mm`` (the first one
-fused with the dispatch gather where the dispatcher hands over its rows ungathered: ``kernels.float8_permute``), all
+torchao ``Float8Linear`` and the routed experts' grouped GEMMs run ``kernels.float8.grouped_mm`` (the first one
+fused with the dispatch gather where the dispatcher hands over its rows ungathered: ``kernels.float8.permute``), all
 with dynamic rowwise scales, each only where it is measured to be faster on the running GPU.
 
 Applied once, to the model on the meta device, before activation checkpointing, EP and FSDP: those then wrap and
@@ -10,7 +10,7 @@ parameter names, state dicts, checkpoints and the export are unchanged.
 
 Never converted: the router (``TopKRouter``, never an ``nn.Linear``), the embeddings and what runs after the blocks
 (``ModelSpec.final``: final norm, LM head), norms, and GEMMs with a dim not a multiple of 16 (the FP8 kernels'
-alignment). The rest are candidates, decided per shape from the measured table (``kernels/float8_table.py``) of
+alignment). The rest are candidates, decided per shape from the measured table (``kernels/float8/table.py``) of
 this GPU model: a linear (in, out) at this run's tokens per rank (``train.local_batch_size x data.seq_len / cp``),
 compiled times under ``train.compile`` (which compiles the projections), eager ones otherwise; an experts GEMM
 (in, out) over its E / ep local experts at tokens x top-k routed rows, eager times (``train.compile`` leaves the
@@ -30,9 +30,9 @@ from typing import Any
 import torch.nn as nn
 
 from core import device
-from kernels.float8_grouped_mm import ALIGN
-from kernels.float8_permute import Float8GroupedMM
-from kernels.float8_table import TABLE_PATH, WRITE_COMMAND, Timing, grouped_timing, linear_timing, load_table
+from kernels.float8.grouped_mm import ALIGN
+from kernels.float8.permute import Float8GroupedMM
+from kernels.float8.table import TABLE_PATH, WRITE_COMMAND, Timing, grouped_timing, linear_timing, load_table
 from models import ModelSpec
 from models.moe import GroupedExperts, TopKRouter
 
@@ -183,7 +183,7 @@ def apply_float8(model: nn.Module, spec: ModelSpec, mode: str, device_type: str,
     """Convert ``model`` in place for ``train.float8=mode`` (not ``none``), before any sharding, where the FP8
     table of ``gpu`` says FP8 is faster; returns the plan. ``tokens``: tokens per rank and micro-batch; ``ep``: the
     expert-parallel degree; ``compiled``: ``train.compile``. ``capability`` and ``gpu`` (the CUDA compute capability
-    and device name) default to this machine's, ``table`` to ``kernels/float8_table.json``. ``check_device=False``
+    and device name) default to this machine's, ``table`` to ``kernels/float8/table.json``. ``check_device=False``
     (tests) converts on any device; the experts then run the exact CPU emulation of the FP8 GEMM."""
     if mode not in FLOAT8_MODES or mode == "none":
         raise ValueError(f"train.float8={mode!r}: apply_float8 takes one of {', '.join(FLOAT8_MODES[1:])}")

@@ -1,5 +1,5 @@
 """Memory bandwidth of the AdamW update kernels on one large parameter (CUDA only): torch's fused AdamW against
-``kernels/triton_adamw.py`` with fp32 and bf16 moments, with and without the bf16 compute copy, and the two passes
+``kernels/optim/triton_adamw.py`` with fp32 and bf16 moments, with and without the bf16 compute copy, and the two passes
 the Triton update replaces (the clip's ``_foreach_mul_``, the compute copy's cast). Prints ms per update and GB/s.
 
     python scripts/bench_adamw.py --numel 402653184     # one Qwen3-30B-A3B layer's expert gate_up_proj
@@ -24,7 +24,7 @@ def main() -> None:
     n = parser.parse_args().numel
     if not torch.cuda.is_available():
         raise SystemExit("scripts/bench_adamw.py needs a CUDA GPU (the Triton kernels)")
-    from kernels.triton_adamw import adamw_step
+    from kernels.optim.triton_adamw import adamw_step
 
     p, g = torch.randn(n, device="cuda"), torch.randn(n, device="cuda") * 1e-2
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10.0, grad_scale=0.5)

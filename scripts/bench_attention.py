@@ -1,5 +1,6 @@
 """Packed-document attention on one GPU, forward and forward + backward, every implementation beside causal SDPA on
-the same rows (``kernels/attention.py``, ``kernels/cudnn_attention.py``), bf16, at both families' attention shapes:
+the same rows (``kernels/attention/attention.py``, ``kernels/attention/cudnn_attention.py``), bf16, at both families'
+attention shapes:
 
 - qwen3: 32 query heads, 4 key/value heads of 128 (Qwen3-30B-A3B);
 - qwen35: 16 query heads, 2 key/value heads of 256 (Qwen3.5-35B-A3B's full-attention layers).
@@ -33,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core import device  # noqa: E402
-from kernels.attention import (DenseMaskAttention, Documents, FlexAttention, KnownDocuments,  # noqa: E402
+from kernels.attention.attention import (DenseMaskAttention, Documents, FlexAttention, KnownDocuments,  # noqa: E402
                                VarlenAttention, causal_sdpa, document_cu_seqlens)
-from kernels.cudnn_attention import CudnnAttention  # noqa: E402
+from kernels.attention.cudnn_attention import CudnnAttention  # noqa: E402
 from scripts.bench_deltanet import packed_rows  # noqa: E402
 
 SHAPES = {"qwen3": (32, 4, 128), "qwen35": (16, 2, 256)}

@@ -2,12 +2,12 @@
 shapes (conv channels 8192 = [q 2048 | k 2048 | v 4096], 4 taps; delta rule 16 q/k heads and 32 value heads of 128),
 bf16, ``--batch`` rows of ``--seq-len`` tokens:
 
-- the short convolution: ours (``kernels/triton_short_conv.py``) and FLA's, rows of one sequence and packed
-  documents, with each one's error against the torch reference in fp32;
+- the short convolution: ours (``kernels/linear_attention/triton_short_conv.py``) and FLA's, rows of one sequence and
+  packed documents, with each one's error against the torch reference in fp32;
 - the chunked delta rule over packed documents, at each of ``--delta-layouts``: FLA's variable-length launch
   (``cu_seqlens``) and its launch for the rows with every document's start reset through the decay
-  (``kernels/fla.py``), with the difference between their outputs and gradients; the rows without documents for
-  scale.
+  (``kernels/linear_attention/fla.py``), with the difference between their outputs and gradients; the rows without
+  documents for scale.
 
 Documents: lengths uniform in 1..``--max-doc`` (about half that on average), cut at the row ends. Times: device
 events, mean of 20 back-to-back runs after 3 warm-ups (``core.device.time_ms``).
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core import device  # noqa: E402
-from kernels import fla, short_conv  # noqa: E402
-from kernels.attention import Documents  # noqa: E402
+from kernels.attention.attention import Documents  # noqa: E402
+from kernels.linear_attention import fla, short_conv  # noqa: E402
 
 CONV_CHANNELS, TAPS, QK_HEADS, V_HEADS, HEAD_DIM = 8192, 4, 16, 32, 128
 
@@ -66,7 +66,7 @@ def timed(dev_type: str, fn: Callable[..., torch.Tensor], inputs: list[torch.Ten
 
 def bench_conv(dev_type: str, gen: torch.Generator, dev: torch.device, B: int, T: int, docs: Documents,
                tiles: bool) -> None:
-    from kernels import triton_short_conv  # Triton: imported only where it runs
+    from kernels.linear_attention import triton_short_conv  # Triton: imported only where it runs
 
     x = torch.randn(B, T, CONV_CHANNELS, generator=gen, device=dev).bfloat16()
     w = (torch.randn(CONV_CHANNELS, TAPS, generator=gen, device=dev) * 0.5).bfloat16()
@@ -94,7 +94,8 @@ def bench_conv(dev_type: str, gen: torch.Generator, dev: torch.device, B: int, T
 
 def bench_delta_rule(dev_type: str, gen: torch.Generator, dev: torch.device, B: int, T: int,
                      docs: Documents) -> None:
-    """FLA's two launches over the same packed rows (``kernels/fla.py``: the reset launch from RESET_MIN_ROWS rows)."""
+    """FLA's two launches over the same packed rows (``kernels/linear_attention/fla.py``: the reset launch from
+    RESET_MIN_ROWS rows)."""
     import triton
 
     capability = tuple(device.module(dev_type).get_device_capability())

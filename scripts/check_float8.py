@@ -1,4 +1,4 @@
-"""Check train.float8=rowwise on a GPU: the experts' FP8 grouped GEMM (kernels/float8_grouped_mm.py) and torchao's
+"""Check train.float8=rowwise on a GPU: the experts' FP8 grouped GEMM (kernels/float8/grouped_mm.py) and torchao's
 Float8Linear against fp32 and bf16, forward and backward, with timings; or measure the FP8 table.
 
     python scripts/check_float8.py [--rows 16384] [--experts 128] [--tokens 16384] [--no-compile]
@@ -7,7 +7,7 @@ Float8Linear against fp32 and bf16, forward and backward, with timings; or measu
 ``--write-table``: time every FP8 candidate GEMM of the ``--presets`` models (``parallelisms.float8``'s
 candidates: the blocks' linears at ``--tokens`` tokens, eager and compiled; the experts' two grouped GEMMs over
 E / ep local experts at tokens x top-k routed rows, eager, as train.compile leaves them) in bf16 and in FP8, forward
-+ backward, and write them as this GPU's entry of kernels/float8_table.json (format: kernels/float8_table.py),
++ backward, and write them as this GPU's entry of kernels/float8/table.json (format: kernels/float8/table.py),
 keeping the rows of other shapes and sizes. train.float8=rowwise converts only what that entry shows faster.
 
 Experts: Qwen3-30B-A3B (hidden 2048, intermediate 768, 128 experts; and 64 local experts as under ep2) and
@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from core import device  # noqa: E402
-from kernels.float8_grouped_mm import float8_grouped_mm, padded_layout  # noqa: E402
-from kernels.grouped_mm import native_grouped_mm, per_group_mm  # noqa: E402
+from kernels.float8.grouped_mm import float8_grouped_mm, padded_layout  # noqa: E402
+from kernels.moe.grouped_mm import native_grouped_mm, per_group_mm  # noqa: E402
 
 # e4m3 rounds each operand to ~2^-4 / sqrt(3) relative (RMS): a product of two such operands is ~5% off per term,
 # ~3-4% norm-wise over random sums (measured 3.7% in the CPU emulation); 8% fails a wrong scale axis (O(1)).
@@ -180,14 +180,14 @@ def check_linears(tokens: int, dev: torch.device, compile_too: bool) -> None:
 
 
 def check_gather(tokens: int, experts: int, top_k: int, d_in: int, d_out: int, dev: torch.device) -> bool:
-    """The dispatch gather fused with the FP8 quantisation (kernels/float8_permute.py): the Triton kernel's e4m3
+    """The dispatch gather fused with the FP8 quantisation (kernels/float8/permute.py): the Triton kernel's e4m3
     rows and scales against its torch reference (exactly), the fused gather + quantise against gather, padded copy
     and quantise, and the experts' first GEMM end to end (fwd+bwd): bf16 gather + grouped GEMM, gather + FP8
     GEMM, the fused FP8 GEMM (forward and gradients equal to the unfused one)."""
-    from kernels.float8_grouped_mm import torchao_quantizers
-    from kernels.float8_permute import float8_grouped_mm_gathered, gather_quantize_rows_torch
-    from kernels.permute import inverse_permutation, permute_tokens
-    from kernels.triton_permute import gather_quantize_rows
+    from kernels.float8.grouped_mm import torchao_quantizers
+    from kernels.float8.permute import float8_grouped_mm_gathered, gather_quantize_rows_torch
+    from kernels.float8.triton_permute import gather_quantize_rows
+    from kernels.moe.permute import inverse_permutation, permute_tokens
 
     gen = torch.Generator(device=dev).manual_seed(0)
     src = torch.randn(tokens, d_in, generator=gen, device=dev).bfloat16()
@@ -280,8 +280,8 @@ def measure_grouped(d_in: int, d_out: int, groups: int, top_k: int, rows: int, g
     """One experts GEMM as compute_experts calls it (uneven load, one idle expert), eager (train.compile leaves
     the experts eager, so the table has no compiled times for them). ``gathered`` (the first GEMM): from the
     dispatch gather of rows / top-k tokens, bf16 gather + grouped GEMM against the FP8 GEMM fused with it."""
-    from kernels.float8_permute import float8_grouped_mm_gathered
-    from kernels.permute import inverse_permutation, permute_tokens
+    from kernels.float8.permute import float8_grouped_mm_gathered
+    from kernels.moe.permute import inverse_permutation, permute_tokens
 
     gen = torch.Generator(device=dev).manual_seed(0)
     counts = _counts(rows, groups, gen, dev)
@@ -306,7 +306,7 @@ def measure_grouped(d_in: int, d_out: int, groups: int, top_k: int, rows: int, g
 def write_table(presets: list[str], eps: list[int], tokens: int, dev: torch.device) -> None:
     import datetime
 
-    from kernels.float8_table import TABLE_PATH, write_gpu_rows
+    from kernels.float8.table import TABLE_PATH, write_gpu_rows
 
     linears, experts = table_shapes(presets, eps)
     gpu = device.module("cuda").get_device_name()
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per linear")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd Float8Linear timing")
     parser.add_argument("--write-table", action="store_true",
-                        help="measure this GPU's FP8 table (kernels/float8_table.json) instead of the checks")
+                        help="measure this GPU's FP8 table (kernels/float8/table.json) instead of the checks")
     parser.add_argument("--presets", default="qwen3_moe_30b_a3b,qwen3_moe_235b_a22b,qwen35_moe",
                         help="conf/model presets whose GEMM shapes the table gets")
     parser.add_argument("--ep", default="1,2", help="expert-parallel degrees whose local expert counts it gets")

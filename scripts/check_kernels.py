@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.attention import DenseMaskAttention, Documents, causal_sdpa  # noqa: E402
+from kernels.attention.attention import DenseMaskAttention, Documents, causal_sdpa  # noqa: E402
 from kernels.config import (CUDNN_ATTENTION, FLA_OPS, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig,  # noqa: E402
                             validate_kernel_config)
 from kernels.registry import OPS, select_kernels  # noqa: E402
@@ -102,8 +102,8 @@ def _delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int) -> In
 
 def _packed_delta_inputs(gen: torch.Generator, dev: torch.device, B: int, T: int, longest: int) -> Inputs:
     """Documents of 1 to ``longest`` tokens packed into B rows of T, as the loader packs real text; cu_seqlens over
-    the flattened rows, every row starting a document (FLA's variable-length launch for one row, kernels/fla.py's
-    decay reset for more)."""
+    the flattened rows, every row starting a document (FLA's variable-length launch for one row,
+    kernels/linear_attention/fla.py's decay reset for more)."""
     ends = torch.randint(1, longest, (B * T,), generator=gen, device=dev).cumsum(0)
     starts = torch.cat([ends.new_zeros(1), ends[ends < B * T], torch.arange(T, B * T, T, device=dev)]).unique()
     return {**_delta_inputs(gen, dev, B, T), "cu_seqlens": torch.cat([starts, starts.new_full((1,), B * T)])}

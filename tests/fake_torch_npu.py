@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._C._distributed_c10d import _resolve_process_group
 
-from kernels.rotary import rotate_half
+from kernels.tokenwise.rotary import rotate_half
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 HALVES = (torch.float16, torch.bfloat16)
@@ -89,7 +89,7 @@ class FakeTorchNpu(types.ModuleType):
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
 
-    # --- the models' kernel slots (kernels/npu.py)
+    # --- the models' kernel slots (kernels/tokenwise/npu.py)
 
     def npu_rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
         self._count("npu_rms_norm")
@@ -112,7 +112,7 @@ class FakeTorchNpu(types.ModuleType):
         _require(r1.shape == r2.shape and r1.shape[-1] == x.shape[-1], "npu_rotary_mul: r1, r2 alike, x's last dim")
         return r1 * x + r2 * rotate_half(x)
 
-    # --- the dispatch path (kernels/npu_moe.py)
+    # --- the dispatch path (kernels/moe/npu.py)
 
     def npu_moe_token_permute(self, tokens: torch.Tensor, indices: torch.Tensor):
         self._count("npu_moe_token_permute")
@@ -152,8 +152,8 @@ class FakeTorchNpu(types.ModuleType):
                                                                          "2, x [M, K], weight [G, K, N]")
             _require(w.shape[0] == len(counts) and w.shape[1] == x_.shape[1] and sum(counts) == x_.shape[0],
                      "npu_grouped_matmul group_type 0: one count per weight, summing to x's rows")
-            # Ours, not torch_npu's: kernels/npu_moe.py leaves an expert without rows to the per-expert loop.
-            _require(0 not in counts, "kernels/npu_moe.py sends no empty group")
+            # Ours, not torch_npu's: kernels/moe/npu.py leaves an expert without rows to the per-expert loop.
+            _require(0 not in counts, "kernels/moe/npu.py sends no empty group")
             return [torch.cat([c @ w[g] for g, c in enumerate(x_.split(counts))])]
         # The contraction dim grouped: [K, M] x [M, N] -> [G, K, N].
         _require(group_type == 2 and split_item == 3 and x_.dim() == w.dim() == 2 and sum(counts) == x_.shape[1]
@@ -229,14 +229,14 @@ class FakeTorchNpu(types.ModuleType):
 
 def install(fake: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch | None = None) -> FakeTorchNpu:
     """Make ``import torch_npu`` give ``fake`` and ``torch.npu`` its device module, as the real import does; with
-    ``monkeypatch`` undone after the test (without: for the rest of a spawned rank). kernels.npu, which imports
-    torch_npu at its own import, is imported anew against the fake."""
+    ``monkeypatch`` undone after the test (without: for the rest of a spawned rank). kernels.tokenwise.npu, which
+    imports torch_npu at its own import, is imported anew against the fake."""
     if monkeypatch:
         monkeypatch.setitem(sys.modules, "torch_npu", fake)
         monkeypatch.setattr(torch, "npu", fake.npu, raising=False)
-        monkeypatch.delitem(sys.modules, "kernels.npu", raising=False)
+        monkeypatch.delitem(sys.modules, "kernels.tokenwise.npu", raising=False)
     else:
         sys.modules["torch_npu"] = fake
         torch.npu = fake.npu
-        sys.modules.pop("kernels.npu", None)
+        sys.modules.pop("kernels.tokenwise.npu", None)
     return fake

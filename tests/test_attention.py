@@ -1,5 +1,5 @@
-"""Document-causal attention (``kernels/attention.py``) in fp32 on CPU: FlexAttention's block mask against torch's
-own ``create_block_mask``, and FlexAttention (eager) and the varlen wrapper (around a per-document SDPA with
+"""Document-causal attention (``kernels/attention/attention.py``) in fp32 on CPU: FlexAttention's block mask against
+torch's own ``create_block_mask``, and FlexAttention (eager) and the varlen wrapper (around a per-document SDPA with
 varlen_attn's signature: the real op is CUDA-only) against the dense-mask reference and against every document run
 on its own, outputs and q/k/v gradients; both families' models forward + backward with each kernel against the
 reference; the documents built once per forward and reused by recomputation; the registry's choice. The real
@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import models
 from core.constants import IGNORE_INDEX
-from kernels.attention import (DenseMaskAttention, Documents, FlexAttention, VarlenAttention, causal_sdpa,
+from kernels.attention.attention import (DenseMaskAttention, Documents, FlexAttention, VarlenAttention, causal_sdpa,
                                document_block_mask, document_cu_seqlens)
 from kernels.config import KernelConfig, validate_kernel_config
 from kernels import registry

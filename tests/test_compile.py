@@ -149,7 +149,7 @@ def test_the_single_rank_moe_block_compiles_in_one_graph_with_the_devices_groupe
     choice; its meta function takes bf16 only, so bf16 here): the path reads nothing back to the host. Whole blocks
     could therefore be compiled where the experts carry no hooks (not done by train.compile: see its docstring)."""
     from kernels import installed
-    from kernels.grouped_mm import native_grouped_mm
+    from kernels.moe.grouped_mm import native_grouped_mm
     from kernels.registry import installed_kernels
     from models.moe import SparseMoeBlock
 

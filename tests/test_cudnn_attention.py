@@ -1,5 +1,5 @@
-"""cuDNN's ragged document attention (``kernels/cudnn_attention.py``) on CPU: its graph key (documents padded to
-buckets), and its whole path (graphs, ragged offsets, strides, the custom op's forward and backward, autograd,
+"""cuDNN's ragged document attention (``kernels/attention/cudnn_attention.py``) on CPU: its graph key (documents padded
+to buckets), and its whole path (graphs, ragged offsets, strides, the custom op's forward and backward, autograd,
 torch.compile) run against a reference interpreter of the cuDNN graphs it builds, compared with the dense-mask
 reference and with every document run alone. The interpreter executes what a graph declares (each tensor's dims,
 strides and ragged offsets, the sequence lengths, the causal band) with torch's math, so a wrong offset, stride,
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import cudnn_attention
-from kernels.attention import DenseMaskAttention, causal_sdpa, document_cu_seqlens
-from kernels.cudnn_attention import CudnnAttention, ragged_documents
+from kernels.attention import cudnn_attention
+from kernels.attention.attention import DenseMaskAttention, causal_sdpa, document_cu_seqlens
+from kernels.attention.cudnn_attention import CudnnAttention, ragged_documents
 from models.layers import document_ids, known_documents
 from tests.test_attention import (FAMILIES, LENGTHS, T, _ids, each_document_alone, loss_and_grads, out_and_grads,
                                   position_ids, qkv, tiny_model, use_attention)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen35
 
-from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.linear_attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 # 70 tokens: several chunks at every size, none a multiple of it; 4 value heads share 2 q/k heads; k != v.
 B, T, h, H, K, V = 2, 70, 2, 4, 16, 24
@@ -132,7 +132,7 @@ def test_packed_sequences_run_in_one_pass_as_one_call_each(chunk_size: int) -> N
 def test_deltanet_takes_the_projection_whole_and_trains_as_with_the_concatenation(monkeypatch) -> None:
     """Without CP the conv takes in_proj_qkv's output itself (``tiled_base``: no concatenation copy, no split
     concatenation in backward); output and every gradient equal the concatenating path's, packed documents too."""
-    from kernels.attention import DenseMaskAttention
+    from kernels.attention.attention import DenseMaskAttention
     from models import build_args
     from models.layers import document_ids
     from models.qwen3_5_moe import deltanet
@@ -206,10 +206,10 @@ def test_rows_of_packed_documents_are_the_flattened_rows() -> None:
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_documents_reset_through_the_decay_are_the_documents_on_their_own(chunk_size: int) -> None:
-    """kernels/fla.py's reset launch, checked on the torch rule in fp32: each row run as one sequence with every
-    document's first decay set to DOCUMENT_RESET_G gives the output and gradients of the documents run as
+    """kernels/linear_attention/fla.py's reset launch, checked on the torch rule in fp32: each row run as one sequence
+    with every document's first decay set to DOCUMENT_RESET_G gives the output and gradients of the documents run as
     sequences of their own (cu_seqlens), including g's gradient (0 at a document's first token either way)."""
-    from kernels.fla import documents_as_decay_reset
+    from kernels.linear_attention.fla import documents_as_decay_reset
 
     leaves, cu = _packed_rows(ROWS, seed=3)
     want = _grads(chunk_gated_delta_rule, leaves, cu_seqlens=cu, chunk_size=chunk_size)

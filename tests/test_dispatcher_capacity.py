@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from kernels.grouped_mm import grouped_mm
+from kernels.moe.grouped_mm import grouped_mm
 from models.moe import GroupedExperts
 from parallelisms.dispatchers import DispatcherConfig
 from parallelisms.dispatchers.capacity import CapacityDispatcher

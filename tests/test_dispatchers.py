@@ -32,8 +32,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
 import train
-from kernels import npu_moe
 from kernels.config import KernelConfig
+from kernels.moe import npu as npu_moe
 from kernels.registry import Env, install, installed_kernels, select_kernels
 from models.moe import GroupedExperts
 from parallelisms import build_parallel_dims, parallelize_model

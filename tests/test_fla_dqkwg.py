@@ -1,4 +1,5 @@
-"""The torch ``chunk_bwd_dqkwg`` (kernels/fla_dqkwg.py) against autograd through the chunk form it differentiates.
+"""The torch ``chunk_bwd_dqkwg`` (kernels/linear_attention/fla_dqkwg.py) against autograd through the chunk form it
+differentiates.
 
 The chunk form, per sequence and value head, chunk by chunk (G the chunk-local cumulative natural-log gates; u, w
 the WY-representation values and weights, inputs here as FLA's backward treats them at this step):
@@ -18,7 +19,7 @@ import math
 import pytest
 import torch
 
-from kernels.fla_dqkwg import chunk_bwd_dqkwg
+from kernels.linear_attention.fla_dqkwg import chunk_bwd_dqkwg
 
 H, J, K, V = 2, 4, 8, 6  # two value heads per q/k head, as Qwen3.5's DeltaNet
 
@@ -113,14 +114,14 @@ def test_packed_needs_chunk_indices() -> None:
 
 
 def test_the_fla_backend_routes_the_step_by_tile_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels/fla.py's adapter, against a stand-in for FLA's backend registry (FLA itself needs triton): it
-    registers one backend for FLA's 'common' ops, accepts only the gated delta rule's call, and for head dims of 64
-    or less (a 64-wide tile, where #640 miscompiles) returns what the torch chunk_bwd_dqkwg returns, preparing
-    chunk_indices where FLA's caller passes none; wider heads go to FLA's kernel at 128-wide tiles."""
+    """kernels/linear_attention/fla.py's adapter, against a stand-in for FLA's backend registry (FLA itself needs
+    triton): it registers one backend for FLA's 'common' ops, accepts only the gated delta rule's call, and for head
+    dims of 64 or less (a 64-wide tile, where #640 miscompiles) returns what the torch chunk_bwd_dqkwg returns,
+    preparing chunk_indices where FLA's caller passes none; wider heads go to FLA's kernel at 128-wide tiles."""
     import sys
     import types
 
-    from kernels import fla
+    from kernels.linear_attention import fla
 
     registered = {}
 
@@ -180,13 +181,14 @@ def test_fla_kernel_at_wide_tiles_matches_the_torch_step_on_cuda(lengths: list[i
     pytest.importorskip("fla")
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from kernels import fla
+    from kernels.linear_attention import fla
 
     gen, dev, bf16, chunk = torch.Generator("cuda").manual_seed(0), "cuda", torch.bfloat16, 64
     batch, seq = (2, 4096) if lengths is None else (1, sum(lengths))
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
     indices = None if cu is None else prepare_chunk_indices(cu, chunk)
-    if cu is not None:  # what the trainer's host offsets hand FLA instead (kernels/fla.py): the same indices
+    # what the trainer's host offsets hand FLA instead (kernels/linear_attention/fla.py): the same indices
+    if cu is not None:
         assert torch.equal(fla.host_chunk_indices(cu.cpu(), chunk, cu.device), indices)
     num_chunks = seq // chunk if cu is None else len(indices)
 

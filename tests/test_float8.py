@@ -18,10 +18,10 @@ import torch
 from omegaconf import OmegaConf
 
 import models
-from kernels.float8_grouped_mm import (ALIGN, FP8, FP8_MAX, OUT_DTYPE, TORCH_QUANTIZERS, amax_to_scale,
+from kernels.float8.grouped_mm import (ALIGN, FP8, FP8_MAX, OUT_DTYPE, TORCH_QUANTIZERS, amax_to_scale,
                                        float8_grouped_mm, padded_layout)
-from kernels.float8_table import TABLE_PATH, Timing, grouped_timing, linear_timing, load_table, write_gpu_rows
-from kernels.grouped_mm import grouped_mm, per_group_mm
+from kernels.float8.table import TABLE_PATH, Timing, grouped_timing, linear_timing, load_table, write_gpu_rows
+from kernels.moe.grouped_mm import grouped_mm, per_group_mm
 from parallelisms.float8 import (Candidate, Float8Plan, apply_float8, check_float8_device,
                                  float8_candidates, plan_float8)
 from training.config import TrainConfig, validate
@@ -173,7 +173,7 @@ def test_the_cuda_calls_pass_torch_s_scaled_grouped_mm_checks(i: int, o: int, G:
     """The CUDA path's three torch._scaled_grouped_mm calls with the torch quantisers' layouts, on the meta device,
     where torch runs the CUDA kernel's checks (fp8 dtypes, row-major a, column-major b, 16-byte strides, scale
     shapes and contiguity) without a GPU. torchao's Triton quantisers return the same layouts (read, not run here)."""
-    from kernels.float8_grouped_mm import _Float8GroupedMM, scaled_grouped_mm_cuda
+    from kernels.float8.grouped_mm import _Float8GroupedMM, scaled_grouped_mm_cuda
 
     rows = padded_layout(torch.full((G,), M // G), M // G * G)[2]
     x_Pi = torch.empty(rows, i, device="meta", dtype=torch.bfloat16).requires_grad_()
@@ -404,7 +404,7 @@ def test_converted_on_meta_as_train_py_does_it_initialises_the_same_weights() ->
 @pytest.mark.usefixtures("cpu_scaled_mm")
 def test_float8_linear_runs_on_cpu_with_the_same_rowwise_quantisation() -> None:
     """torchao's rowwise Float8Linear (torch >= 2.13 runs its _scaled_mm on CPU; cpu_scaled_mm before): x per row,
-    w per output row, both over the in-features, exactly the scales of kernels.float8_grouped_mm; bf16 output."""
+    w per output row, both over the in-features, exactly the scales of kernels.float8.grouped_mm; bf16 output."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
@@ -516,7 +516,7 @@ def _ep_worker(rank: int, world_size: int) -> dict:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from kernels.float8_permute import Float8GroupedMM
+    from kernels.float8.permute import Float8GroupedMM
     from models.moe import GroupedExperts
     from parallelisms.dispatchers import DispatcherConfig
     from parallelisms.expert_parallel import apply_expert_parallel
@@ -604,10 +604,10 @@ def test_train_py_runs_saves_and_resumes_an_fp8_run_like_a_bf16_one(tiny_run_con
 
 @pytest.mark.parametrize("K", [1, 2])
 def test_the_gathered_fp8_gemm_is_the_fp8_gemm_of_the_gathered_rows(K: int) -> None:
-    """Forward and both gradients equal, bit for bit, float8_grouped_mm on kernels.permute's gather (K = 1: a
+    """Forward and both gradients equal, bit for bit, float8_grouped_mm on kernels.moe.permute's gather (K = 1: a
     permutation, as under EP; K = 2: each token's rows, as the local dispatch)."""
-    from kernels.float8_permute import float8_grouped_mm_gathered
-    from kernels.permute import inverse_permutation, permute_tokens
+    from kernels.float8.permute import float8_grouped_mm_gathered
+    from kernels.moe.permute import inverse_permutation, permute_tokens
 
     gen = torch.Generator().manual_seed(4)
     R, G = 24, 4
@@ -631,7 +631,7 @@ def test_the_gathered_fp8_gemm_is_the_fp8_gemm_of_the_gathered_rows(K: int) -> N
 
 
 def test_gather_quantize_rows_writes_zero_rows_for_padding() -> None:
-    from kernels.float8_permute import gather_quantize_rows_torch
+    from kernels.float8.permute import gather_quantize_rows_torch
 
     src = torch.randn(6, 32).bfloat16()
     index = torch.tensor([3, -1, 0, 3, -1])
@@ -643,8 +643,8 @@ def test_gather_quantize_rows_writes_zero_rows_for_padding() -> None:
 
 _INTERPRETED = """
 import torch
-from kernels.float8_permute import gather_quantize_rows_torch
-from kernels.triton_permute import gather_quantize_rows
+from kernels.float8.permute import gather_quantize_rows_torch
+from kernels.float8.triton_permute import gather_quantize_rows
 g = torch.Generator().manual_seed(0)
 src = (torch.randn(40, 96, generator=g) * torch.logspace(-3, 3, 40)[:, None]).bfloat16()
 src[5] = 0
@@ -674,7 +674,7 @@ def test_the_triton_gather_quantize_kernel_under_the_interpreter_writes_the_refe
 def test_the_experts_with_the_fused_gather_run_the_same_product(fp8) -> None:
     """GroupedExperts (local dispatch) with Float8GroupedMM (the gate_up GEMM fused with the gather where it is FP8)
     against the same shapes through the unfused calls, output and every gradient bit for bit."""
-    from kernels.float8_permute import Float8GroupedMM
+    from kernels.float8.permute import Float8GroupedMM
     from models.moe import GroupedExperts
 
     def unfused(x, w, counts, host=None):

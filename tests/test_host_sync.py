@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import train
 import training.optim
 from kernels import installed
-from kernels.grouped_mm import native_grouped_mm
+from kernels.moe.grouped_mm import native_grouped_mm
 
 pytestmark = pytest.mark.torch_apis  # torch._grouped_mm, host-syncing ops
 

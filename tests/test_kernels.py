@@ -7,21 +7,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-import kernels.permute as permute
+import kernels.moe.permute as permute
 import models
-from kernels import fla, installed, npu_moe
-from kernels.attention import Documents
+from kernels import installed
+from kernels.attention.attention import Documents
 from kernels.config import DEFAULT_FLA_OPS, FLA_OPS, KernelConfig, validate_kernel_config
-from kernels.grouped_mm import per_group_mm
+from kernels.linear_attention import fla
+from kernels.moe import npu as npu_moe
+from kernels.moe.grouped_mm import per_group_mm
 from kernels.registry import INSTALLED_OPS, OPS, SLOT_OPS, Env, apply_kernels, installed_kernels, select_kernels
 from models.moe import GroupedExperts, compute_experts
 from tests.fake_torch_npu import FLOATS, GLUE, FakeTorchNpu, install
@@ -169,9 +174,9 @@ def test_only_the_included_fla_kernels_are_installed() -> None:
 
 
 def test_the_short_convolution_is_ours_on_cuda_unless_fla_s_is_listed() -> None:
-    """Ours (kernels/triton_short_conv.py) measured faster than FLA's on an H200, so it is the auto kernel and FLA's
-    is no longer in the default include_kernels: FLA's runs where listed. On NPU, where neither runs, the torch one
-    with the reason logged; on CUDA without triton, torch."""
+    """Ours (kernels/linear_attention/triton_short_conv.py) measured faster than FLA's on an H200, so it is the auto
+    kernel and FLA's is no longer in the default include_kernels: FLA's runs where listed. On NPU, where neither runs,
+    the torch one with the reason logged; on CUDA without triton, torch."""
     env = Env("cuda", triton_version="3.7.1", capability=(9, 0), fla_version="0.6.0")
     default = KernelConfig(name="auto,flash-linear-attention")
     assert "causal_conv1d_silu" not in default.include_kernels
@@ -213,6 +218,34 @@ def test_importing_the_registry_loads_no_device_package() -> None:
             "print(sorted({'fla', 'triton', 'torch_npu'} & (set(sys.modules) - torch_own)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _module_of(reference: Any) -> str:
+    """The module of a torch reference: a function's, a ``functools.partial``'s function's, an instance's class's."""
+    return (reference.func if isinstance(reference, functools.partial) else reference).__module__
+
+
+def _modules_built_by(build: Callable) -> set[str]:
+    """The project modules an ``Impl.build`` takes its kernel from: the module it imports by name (``_lazy``) and
+    the modules and classes of the registry its body names."""
+    named = [cell.cell_contents for cell in build.__closure__ or ()]
+    named += [build.__globals__[name] for name in build.__code__.co_names if name in build.__globals__]
+    modules = {value if isinstance(value, str) else value.__name__ if isinstance(value, types.ModuleType)
+               else value.__module__ if isinstance(value, type) else "" for value in named}
+    return {module for module in modules if module.startswith("kernels.")}
+
+
+def test_every_kernel_sits_beside_its_torch_reference() -> None:
+    # kernels/<group>/ holds an op's torch reference and every device kernel of it (tests/test_layering.py: the
+    # groups), so a Triton or torch_npu kernel is found next to what it must equal.
+    for op, spec in OPS.items():
+        group = _module_of(spec.reference(KernelConfig())).rpartition(".")[0]
+        assert group.startswith("kernels.") and group.count(".") == 1, f"{op}: reference in {group}"
+        for impl in spec.kernels:
+            modules = _modules_built_by(impl.build)
+            assert modules, f"{op}: no module found for {impl.name}"
+            assert {m.rpartition(".")[0] for m in modules} == {group}, (
+                f"{op}: {impl.name} is in {sorted(modules)}, its torch reference in {group}")
 
 
 # --- applying kernels ---------------------------------------------------------------------------------------------

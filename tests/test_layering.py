@@ -4,7 +4,7 @@ functions included, so an upward import fails here before it becomes a cycle.
 Layers, bottom first; a file may import its own layer and those below it:
     core          device module, shared constants, atomic writes (imports nothing of the project)
     data          training/data/: tokenizers, documents, shards, the cache, packing, the loader (may use core)
-    kernels       device kernels, each beside its torch reference (may use core)
+    kernels       device kernels, each beside its torch reference, in subpackages by what they serve (may use core)
     models        pure PyTorch; kernel slots hold the kernels' torch references
     parallelisms  meshes and everything that shards
     training      config schema, data, loss, optimizer, metrics, checkpoints
@@ -91,13 +91,15 @@ def test_imports_only_go_down() -> None:
 
 
 def test_a_lazy_upward_import_is_caught(tmp_path: Path) -> None:
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "train.py").write_text("import kernels.x\n")
-    (tmp_path / "kernels" / "x.py").write_text(
+    (tmp_path / "kernels" / "moe").mkdir(parents=True)  # a subpackage of kernels/ is the kernels layer
+    (tmp_path / "train.py").write_text("import kernels.moe.x\n")
+    (tmp_path / "kernels" / "moe" / "x.py").write_text(
         "import torch\nfrom core import device\nfrom . import y\n\n\ndef f():\n    from models.layers import RMSNorm\n"
-        "    import importlib\n    return importlib.import_module('training.checkpoint')\n")
-    assert upward_imports(tmp_path) == ["kernels/x.py:7 imports models.layers (kernels -> models)",
-                                        "kernels/x.py:9 imports training.checkpoint (kernels -> training)"]
+        "    import importlib\n    from .. import installed\n"
+        "    return importlib.import_module('training.checkpoint')\n")
+    assert upward_imports(tmp_path) == [
+        "kernels/moe/x.py:10 imports training.checkpoint (kernels -> training)",
+        "kernels/moe/x.py:7 imports models.layers (kernels -> models)"]
 
 
 def test_the_data_floor_imports_core_only(tmp_path: Path) -> None:
@@ -105,9 +107,41 @@ def test_the_data_floor_imports_core_only(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("from training.data.loader import f\n")
     (tmp_path / "training" / "data" / "loader.py").write_text(
         "from core.files import atomic_write\nfrom training.data.cache import g\nfrom training.checkpoint import h\n"
-        "from kernels.norm import rms_norm\n")
+        "from kernels.tokenwise.norm import rms_norm\n")
     assert upward_imports(tmp_path) == ["training/data/loader.py:3 imports training.checkpoint (data -> training)",
-                                        "training/data/loader.py:4 imports kernels.norm (data -> kernels)"]
+                                        "training/data/loader.py:4 imports kernels.tokenwise.norm (data -> kernels)"]
+
+
+# kernels/ at its top level: only what every group of kernels shares; each kernel and its torch reference sit in the
+# subpackage of what they serve (kernels/__init__.py lists them), so the folder shows the architecture.
+KERNELS_TOP_LEVEL = {"__init__.py", "config.py", "installed.py", "registry.py"}
+
+
+def ungrouped_kernels(root: Path) -> list[str]:
+    """What breaks the grouping of kernels/: a file at its top level beyond ``KERNELS_TOP_LEVEL``, or a folder under
+    it that is not a package."""
+    top = root / "kernels"
+    found = [f"kernels/{p.name}: a kernel file at the top level; put it in the subpackage it serves"
+             for p in sorted(top.iterdir()) if p.is_file() and p.name not in KERNELS_TOP_LEVEL]
+    return found + [f"{p.relative_to(root)}/ has no __init__.py" for p in sorted(top.rglob("*"))
+                    if p.is_dir() and p.name != "__pycache__" and not (p / "__init__.py").is_file()]
+
+
+def test_kernels_sit_in_subpackages_by_what_they_serve() -> None:
+    assert KERNELS_TOP_LEVEL <= {p.name for p in (ROOT / "kernels").iterdir()}
+    assert sum(1 for p in (ROOT / "kernels").iterdir() if (p / "__init__.py").is_file()) >= 2  # the groups
+    ungrouped = ungrouped_kernels(ROOT)
+    assert not ungrouped, "kernels/ out of its groups:\n" + "\n".join(ungrouped)
+
+
+def test_an_ungrouped_kernel_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "kernels" / "moe" / "deep").mkdir(parents=True)
+    (tmp_path / "kernels" / "loss").mkdir()
+    for name in (*KERNELS_TOP_LEVEL, "triton_norm.py", "moe/__init__.py", "moe/permute.py"):
+        (tmp_path / "kernels" / name).write_text("")
+    assert ungrouped_kernels(tmp_path) == [
+        "kernels/triton_norm.py: a kernel file at the top level; put it in the subpackage it serves",
+        "kernels/loss/ has no __init__.py", "kernels/moe/deep/ has no __init__.py"]
 
 
 def test_no_script_shadows_a_standard_library_module() -> None:

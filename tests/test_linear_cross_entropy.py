@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from core.constants import IGNORE_INDEX
-from kernels.linear_cross_entropy import default_chunk_rows, linear_cross_entropy_sum, softmax_cross_entropy_
+from kernels.loss.linear_cross_entropy import default_chunk_rows, linear_cross_entropy_sum, softmax_cross_entropy_
 from models.causal_lm import LMHead, trained_rows
 from tests.test_attention import FAMILIES, packed_inputs, tiny_model
 
@@ -182,7 +182,7 @@ def test_model_trains_the_same_on_the_trained_rows_only(family: str) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and triton)")
 def test_triton_step_matches_the_reference_on_cuda() -> None:
-    from kernels.triton_cross_entropy import softmax_cross_entropy_ as triton_step
+    from kernels.loss.triton_cross_entropy import softmax_cross_entropy_ as triton_step
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits_CV = (torch.randn(300, 5000, generator=g, device="cuda") * 4).bfloat16()

@@ -18,9 +18,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
 from core import device
-from kernels import npu_moe
 from kernels.config import KernelConfig
-from kernels.grouped_mm import per_group_mm
+from kernels.moe import npu as npu_moe
+from kernels.moe.grouped_mm import per_group_mm
 from kernels.registry import Env, select_kernels
 from parallelisms import build_parallel_dims, parallelize_model
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -198,7 +198,7 @@ if not _REAL_TORCH_NPU:
     _NPU_LIB.impl("npu_grouped_matmul", _gmm_cpu, "CPU")
 
 
-class _Gmm(torch.autograd.Function):  # as kernels/npu_moe.py: torch_npu's op has no autograd of its own
+class _Gmm(torch.autograd.Function):  # as kernels/moe/npu.py: torch_npu's op has no autograd of its own
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, w)

@@ -193,7 +193,7 @@ def test_bfloat16_state_resumes_exactly_and_a_float32_checkpoint_converts_when_a
 def test_the_triton_update_gated_on_the_device_is_the_host_scaled_one_or_nothing(state_dtype: torch.dtype) -> None:
     """The Triton pass with a device ``gate`` [coefficient, applies]: to the bit the pass with the coefficient as a
     host float where it applies (0.5: exact in both), and no write at all where it does not."""
-    from kernels.triton_adamw import adamw_step
+    from kernels.optim.triton_adamw import adamw_step
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = (1 << 20) + 3  # a partial last block

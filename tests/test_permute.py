@@ -1,4 +1,4 @@
-"""The MoE permute / unpermute gathers (``kernels.permute``): against plain indexing + ``models.moe.combine`` on
+"""The MoE permute / unpermute gathers (``kernels.moe.permute``): against plain indexing + ``models.moe.combine`` on
 CPU, which implementation runs where (the registry's, installed per device type), and (on a CUDA machine with
 triton) the Triton kernels against the torch code."""
 
@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-import kernels.permute as permute
+import kernels.moe.permute as permute
 from kernels.config import KernelConfig
 from kernels.registry import Choice, Env, installed_kernels, select_kernels
 from models.moe import combine
@@ -79,7 +79,7 @@ def test_the_installed_kernels_run_only_for_their_device_type() -> None:
 @pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernels_match_the_torch_code(dtype: torch.dtype) -> None:
-    from kernels import triton_permute
+    from kernels.moe import triton_permute
 
     order_M, inv_M, weights_NK = _routing("cuda")
     src_MD = torch.randn(N * K, D, device="cuda").to(dtype)

@@ -14,7 +14,7 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
-from kernels.delta_rule import chunk_gated_delta_rule
+from kernels.linear_attention.delta_rule import chunk_gated_delta_rule
 from models import build_args, get_spec
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import models.moe
-from kernels.grouped_mm import native_grouped_mm, native_grouped_mm_ok, per_group_mm
+from kernels.moe.grouped_mm import native_grouped_mm, native_grouped_mm_ok, per_group_mm
 from models import build_args, get_spec
 from models.moe import GroupedExperts
 from tests.conftest import our_loss_like_transformers

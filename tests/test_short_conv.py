@@ -1,6 +1,7 @@
-"""DeltaNet's short convolution: our Triton kernel (kernels/triton_short_conv.py) against the torch reference
-(kernels/short_conv.py), output and both gradients. On CPU under Triton's interpreter (TRITON_INTERPRET=1, fp32, in
-a subprocess: the interpreter is chosen at import), where triton is installed; in bf16 on a CUDA GPU."""
+"""DeltaNet's short convolution: our Triton kernel (kernels/linear_attention/triton_short_conv.py) against the torch
+reference (kernels/linear_attention/short_conv.py), output and both gradients. On CPU under Triton's interpreter
+(TRITON_INTERPRET=1, fp32, in a subprocess: the interpreter is chosen at import), where triton is installed; in bf16 on
+a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ _NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, r
 # a row that is one document, a document of exactly one tile; 40 channels (a partial channel tile).
 _CASES = """
 import torch
-from kernels.attention import Documents, document_cu_seqlens
-from kernels.short_conv import causal_conv1d_silu as reference
-from kernels.triton_short_conv import causal_conv1d_silu as kernel
+from kernels.attention.attention import Documents, document_cu_seqlens
+from kernels.linear_attention.short_conv import causal_conv1d_silu as reference
+from kernels.linear_attention.triton_short_conv import causal_conv1d_silu as kernel
 
 def run(fn, x, w, docs, dy):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -59,9 +60,9 @@ def test_the_triton_short_convolution_on_cuda_matches_the_fp32_reference() -> No
     """bf16 at Qwen3.5's 8192 conv channels, packed documents: norm-wise error of the output and both gradients
     against the reference in fp32 within scripts/check_kernels.py's 1e-2 for elementwise ops (a wrong tap or mask is
     O(1); measured on an H200: 1.7e-3 to 2.9e-3, the reference's own in bf16 2.6e-3 to 4.1e-3)."""
-    from kernels.attention import Documents, document_cu_seqlens
-    from kernels.short_conv import causal_conv1d_silu as reference
-    from kernels.triton_short_conv import causal_conv1d_silu as kernel
+    from kernels.attention.attention import Documents, document_cu_seqlens
+    from kernels.linear_attention.short_conv import causal_conv1d_silu as reference
+    from kernels.linear_attention.triton_short_conv import causal_conv1d_silu as kernel
 
     gen, dev = torch.Generator("cuda").manual_seed(0), "cuda"
     B, T, F = 2, 4096, 8192

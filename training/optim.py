@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from kernels.adamw import adamw_step_
+from kernels.optim.adamw import adamw_step_
 from parallelisms.compute_copy import copies_to_write, copies_written
 from parallelisms.grad_norm import clip_coefficient, scale_grads_
 from training.config import OptimConfig
@@ -45,8 +45,8 @@ def adamw_kind(cfg: OptimConfig, device_type: str) -> str:
 
 class AdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam with the moments (exp_avg, exp_avg_sq) stored in ``state_dtype``, the update in
-    fp32 on the parameters' own dtype (fp32 master weights): ``kernels.adamw.adamw_step_``, one parameter at a time
-    (one Triton pass on CUDA). State keys and step counters as torch.optim.AdamW's (a host tensor per parameter,
+    fp32 on the parameters' own dtype (fp32 master weights): ``kernels.optim.adamw.adamw_step_``, one parameter at a
+    time (one Triton pass on CUDA). State keys and step counters as torch.optim.AdamW's (a host tensor per parameter,
     read without a device sync), so the checkpoints of the two load into each other; the moments load converted to
     the dtype of the optimizer that reads them.
 

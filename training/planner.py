@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import models
-from kernels.linear_cross_entropy import default_chunk_rows
+from kernels.loss.linear_cross_entropy import default_chunk_rows
 from models.footprint import NO_ACTIVATIONS, LayerActivations
 from parallelisms import ParallelSizes, expert_shard_dim, resolve_sizes, validate_parallel_config
 from training.config import TrainConfig, validate
@@ -331,7 +331,7 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
 
     V, D = args.vocab_size, args.hidden_size
     head_rows = N * (2 if model.mtp is not None else 1)
-    head_grads = head_rows * D * b + V * D * b  # kept from forward (kernels.linear_cross_entropy)
+    head_grads = head_rows * D * b + V * D * b  # kept from forward (kernels.loss.linear_cross_entropy)
     chunk_logits = min(head_rows, default_chunk_rows(V)) * V * b
     by_name = {u.name: u for u in units}
     final, embeddings = by_name["final"], by_name["embeddings"]

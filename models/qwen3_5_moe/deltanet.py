@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from kernels.short_conv import causal_conv1d_silu
+from kernels.linear_attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kernels.linear_attention.short_conv import causal_conv1d_silu
 from models.footprint import LayerActivations, SequenceExchange
 from models.layers import Documents
 from models.qwen3_5_moe.args import Qwen3_5MoeArgs
@@ -52,7 +52,7 @@ class GatedDeltaNet(nn.Module):
 
     ``self.delta_rule`` has ``chunk_gated_delta_rule``'s signature: the torch reference by default; a kernel
     registry may set a device kernel (e.g. flash-linear-attention's) or another chunk size per module; likewise
-    ``self.short_conv`` (``kernels.short_conv.causal_conv1d_silu``).
+    ``self.short_conv`` (``kernels.linear_attention.short_conv.causal_conv1d_silu``).
     ``self.recurrent_delta_rule`` (the token-by-token form) serves short sequences evaluated without autograd.
     """
 
@@ -80,7 +80,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
-        # Depthwise and causal (kernels/short_conv.py); the module holds the weight under transformers' name.
+        # Depthwise and causal (kernels/linear_attention/short_conv.py); the module holds the weight under
+        # transformers' name.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=args.linear_conv_kernel_dim, groups=conv_dim,
                                 padding=args.linear_conv_kernel_dim - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))

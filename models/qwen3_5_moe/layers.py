@@ -8,8 +8,8 @@ from typing import ClassVar, Mapping
 import torch
 import torch.nn as nn
 
-from kernels.norm import gated_rms_norm, offset_rms_norm
-from kernels.swiglu import swiglu
+from kernels.tokenwise.norm import gated_rms_norm, offset_rms_norm
+from kernels.tokenwise.swiglu import swiglu
 from models.footprint import LayerActivations
 from models.layers import RMSNorm, rotary_cos_sin
 from models.moe import RouterStats, SparseMoeBlock

@@ -12,7 +12,7 @@ source       the routed rows in expert order (rank-major); row j of those for pe
 destination  the arrivals of peer p are its first min(rows, C) slots, by local expert; the rest is padding.
              The rows are regrouped by local expert with the padding last (in the last expert's group), the
              grouped GEMM runs, the rows go back to arrival order and are all-to-all'ed back (equal splits).
-source       each token's K slots read back and weighted by the router scores (``kernels.permute.unpermute``).
+source       each token's K slots read back and weighted by the router scores (``kernels.moe.permute.unpermute``).
 Every size on the way is C or a device tensor: no ``.tolist()``, ``.item()``, nonzero, boolean-mask indexing
 or bincount. Padding rows are zero, so the experts map them to zero and they add nothing to any weight
 gradient; no token slot reads them, so they add nothing to any output or input gradient.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from core import device
-from kernels.permute import gather_sum, inverse_permutation, unpermute
+from kernels.moe.permute import gather_sum, inverse_permutation, unpermute
 from models.moe import ExpertWeights, expert_counts
 from parallelisms.dispatchers import local_ops
 from parallelisms.dispatchers.base import Dispatcher, register

@@ -11,7 +11,7 @@ source       routing per sent row: K local expert ids (sentinel G where slot k's
              K router weights (0 there); one count exchange (rows per rank, slots per (rank, local expert)),
              the one host sync; all-to-all x [S, D], weights [S, K] (autograd) and ids [S, K].
 destination  the U valid slots gathered in local-expert order, grouped GEMM, then each row's K slots
-             weighted and summed (``kernels.permute.unpermute``; masked slots weigh 0); all-to-all back [R, D].
+             weighted and summed (``kernels.moe.permute.unpermute``; masked slots weigh 0); all-to-all back [R, D].
 source       the <= P rows of each token summed.
 sum_p sum_{k on p} w_k y_k = sum_k w_k y_k: eager's result up to summation order. Every map is a gather
 whose backward is a gather-sum by a known inverse (or, for a token's rows, one index_add per rank block, no
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-from kernels.permute import gather_sum, inverse_permutation, unpermute
+from kernels.moe.permute import gather_sum, inverse_permutation, unpermute
 from models.moe import ExpertWeights, expert_counts
 from parallelisms.dispatchers import local_ops
 from parallelisms.dispatchers.base import Dispatcher, register

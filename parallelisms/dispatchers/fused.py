@@ -3,7 +3,7 @@
 Per layer: permute the routed rows into expert order (one gather), exchange counts (the one host sync),
 all-to-all, sort the arrivals by local expert (one gather), grouped GEMM over the local experts, unsort,
 all-to-all back, unpermute with the router weights applied in the same ``bmm`` that sums over k. Every map is
-a gather whose backward is a gather by the inverse map (``kernels.permute``): none of eager's sort-based
+a gather whose backward is a gather by the inverse map (``kernels.moe.permute``): none of eager's sort-based
 ``index_put_(accumulate=True)`` backwards, zero-filled buffers or atomic adds, and no weighted [M, D] product
 kept for backward. On NPU the same steps run torch_npu's fused permute / unpermute / grouped matmul.
 """

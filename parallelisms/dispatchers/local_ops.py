@@ -2,9 +2,9 @@
 arrived, unpermute with the router weights. ``fused``, ``domino`` and ``mc2`` share them; ``dedup`` uses
 ``compute``, ``capacity`` ``run_in_arrival_order``.
 
-Only kernel calls, none chosen here: ``kernels.permute.moe_token_permute`` / ``moe_token_unpermute`` (the gathers
-of ``kernels.permute``, or torch_npu's fused permute / unpermute on NPU) and ``models.moe.compute_experts``
-(``kernels.grouped_mm``: torch._grouped_mm on CUDA, which handles experts without rows exactly; torch_npu's grouped
+Only kernel calls, none chosen here: ``kernels.moe.permute.moe_token_permute`` / ``moe_token_unpermute`` (the gathers
+of ``kernels.moe.permute``, or torch_npu's fused permute / unpermute on NPU) and ``models.moe.compute_experts``
+(``kernels.moe.grouped_mm``: torch._grouped_mm on CUDA, which handles experts without rows exactly; torch_npu's grouped
 matmul on NPU, which falls back to the per-expert loop for an expert without rows, as the seeds do). The kernel
 registry chooses them from ``kernel_config`` and logs the choice at start-up.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kernels.permute import (RoutedRows, inverse_permutation, moe_token_permute, moe_token_unpermute,
+from kernels.moe.permute import (RoutedRows, inverse_permutation, moe_token_permute, moe_token_unpermute,
                              permute_rows)
 from models.moe import ExpertWeights, compute_experts, expert_counts
 from parallelisms.dispatchers.common import Splits, expert_order

@@ -1,6 +1,6 @@
 """The MC2 collectives of the ``mc2`` dispatcher (the all-to-all fused with the grouped matmul): a dispatcher,
 not a kernel, so they live here; the NPU kernels (token permute / unpermute, grouped matmul) are in
-``kernels/npu_moe.py``, chosen by the kernel registry.
+``kernels/moe/npu.py``, chosen by the kernel registry.
 
 Signatures (torch_npu / op-plugin docs): ``npu_alltoallv_gmm(gmm_x, gmm_weight, hcom, ep_world_size,
 send_counts, recv_counts, *, trans_gmm_weight, permute_out_flag) -> (gmm_y, mm_y, permute_out)`` (all-to-all,
@@ -8,7 +8,7 @@ sort by local expert, grouped matmul); ``npu_gmm_alltoallv(gmm_x, gmm_weight, hc
 recv_counts, *, trans_gmm_weight) -> (y, mm_y)`` (grouped matmul, unsort, all-to-all). Counts are per (rank,
 local expert), rank-major, in the direction of that call. The MC2 ops have no autograd: the Functions below
 pair them as the FSDPTurbo seed does (each one's backward is the other op, plus a matmul grouped along its
-contraction dim for the weights: ``kernels.npu_moe.weight_grad``). Letters as in DEVELOPERS.md.
+contraction dim for the weights: ``kernels.moe.npu.weight_grad``). Letters as in DEVELOPERS.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from kernels.npu_moe import weight_grad
+from kernels.moe.npu import weight_grad
 
 
 def torch_npu():
