@@ -264,6 +264,7 @@ def test_scripts_simulate_measures_a_rank_and_predicts_the_job(tmp_path):
     assert "rank 0 of 4 (ep2, routing balanced, 64 tokens per GPU per step)" in out.stdout
     report = json.loads((tmp_path / "simulation.json").read_text())
     assert report["world"] == 4 and report["predicted_tokens_per_s_per_gpu"] > 0
+    assert report["executed_tflops"] == report["compute_tflops"]  # no checkpointing: nothing ran twice
     assert {c["kind"] for c in report["collectives"]} == {"all_gather", "reduce_scatter", "all_to_all"}
     bad = subprocess.run([sys.executable, "scripts/simulate.py", "sim.wrld=4"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=120)
