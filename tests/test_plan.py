@@ -129,7 +129,8 @@ def test_planned_collective_bytes_equal_the_counted_ones(counted, case):
 
 
 # Peak memory measured on 2 x H200 (torch 2.11, bf16 compute, fp32 master weights, AdamW and reduction), copied
-# from docs/lab/benchmarks.md: (label, train.py overrides, GiB). Measured with
+# from docs/lab/benchmarks.md: (label, train.py overrides, GiB). The ep2 and cp2 runs predate the experts' compute
+# copies over a one-rank expert mesh, which the plan counts (+8% on the ep2 fused rows; docs/scaling.md). Measured with
 #   python scripts/bench.py --model qwen3_moe_30b_a3b --layers L --nproc 2 --layouts ep2|fsdp2 --dispatchers D \
 #       --steps 20 --warmup 5 optim.lr=3e-4                                    (seq 4096, local batch 4)
 #   torchrun --standalone --nproc_per_node 2 train.py model=qwen3_moe_30b_a3b model.arch.num_hidden_layers=4 \
