@@ -38,7 +38,7 @@ from plan import read_args  # noqa: E402
 
 from core import device  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
-from training.planner import GiB, plan  # noqa: E402
+from training.planner import FULL_CHECKPOINT_RECOMPUTE, GiB, plan  # noqa: E402
 
 # The all-to-all's effective rate per GPU inside a node, GB/s: what the 2 x H200 runs of docs/scaling.md lost to
 # their exchanges beyond the simulated compute (docs/scaling.md: calibration); the planner's NVLink figure (450) is
@@ -110,7 +110,8 @@ def predict(cfg, paper, history: list[dict], profile: dict, calibrated) -> dict:
     exposed_s, predicted_s = job_step(calibrated)
     link_exposed_s, link_step_s = job_step(paper)
     tokens = paper.tokens_per_gpu
-    recompute = {"none": 1.0, "full": 4 / 3}.get(cfg.parallel.activation_checkpoint)  # selective: op-dependent
+    # selective: what it recomputes depends on the ops, so no executed rate
+    recompute = {"none": 1.0, "full": FULL_CHECKPOINT_RECOMPUTE}.get(cfg.parallel.activation_checkpoint)
     flops = tokens * history[-1]["tflops_per_device"] * 1e12 / history[-1]["tokens_per_s_per_device"]
     peak = device.peak_tflops(cfg.train.device if cfg.train.device != "auto" else device.device_type())
     return {

@@ -343,19 +343,18 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     # The last block (with its experts) gathered with its gradients, and the block before it prefetched.
     last_block = [by_name[f"block {len(blocks) - 1}"], by_name[f"block {len(blocks) - 1} experts"]]
     last = sum(gathered_with_grads(u) + u.numel * b for u in last_block)
-    # Over a one-rank expert mesh the experts are no FSDP unit: each keeps its compute copy for the whole step
-    # (``expert_parallel.replace_single_rank_fsdp``), which the last block reads in place of a gather.
-    expert_copies = 0
-    if step.backend == "fsdp2" and s.efsdp == 1 and b != FP32:
-        expert_units = [u for u in units if u.name.endswith(" experts")]
-        expert_copies = sum(u.numel for u in expert_units) * b
-        last -= 2 * last_block[1].numel * b
     mode = step.checkpoint
-    static = params + optimizer + expert_copies
     if step.backend != "fsdp2":
         return _unsharded_memory(params, grads, optimizer, activations[mode], recompute[mode], routed_buffers,
                                  chunk_logits + head_grads, sum(u.numel for u in [*last_block, final]) * FP32,
                                  shard * b if b != FP32 else 0, step.backend)
+    # Over a one-rank expert mesh the experts are no FSDP unit: each keeps its compute copy for the whole step
+    # (``expert_parallel.replace_single_rank_fsdp``), which the last block reads in place of a gather.
+    expert_copies = 0
+    if s.efsdp == 1 and b != FP32:
+        expert_copies = sum(u.numel for u in units if u.shard_mesh == "efsdp") * b
+        last -= 2 * last_block[1].numel * b
+    static = params + optimizer + expert_copies
     moments = {
         "LM head forward": static + activations[mode] + final.numel * b + chunk_logits + head_grads,
         "last block backward": static + activations[mode] + head_grads + final.numel * b + final.shard * FP32
@@ -405,6 +404,9 @@ def build_meta_model(cfg: TrainConfig) -> tuple[models.ModelSpec, nn.Module]:
         return spec, spec.model_cls(args)
 
 
+# Full checkpointing runs the forward (1 of a step's 3 parts) again: what it executes over the FLOPs it counts.
+FULL_CHECKPOINT_RECOMPUTE = 4 / 3
+
 _MAX_WORLD = 1 << 16  # the largest world smallest_world tries
 
 
@@ -450,7 +452,7 @@ def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, n
     units = fsdp_units(model, spec, s, step.backend)
     comms = collectives(model, spec, units, s, step, machine)
     tokens = step.tokens * step.micro_batches
-    recompute = 4 / 3 if step.checkpoint == "full" else 1.0  # the forward (1 of 3 parts) again
+    recompute = FULL_CHECKPOINT_RECOMPUTE if step.checkpoint == "full" else 1.0
     compute_s = tokens * causal_flops_per_token(args, cfg.data.seq_len) * recompute / (machine.tflops * 1e12)
     # AdamW reads parameter (fp32), gradient (fp32) and both moments and writes parameter and moments back.
     optimizer_s = sum(u.shard for u in units) * (3 * FP32 + 4 * step.moment_bytes) / (machine.hbm_gb_s * 1e9)
