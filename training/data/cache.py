@@ -60,7 +60,8 @@ def tokenized_corpus(cfg: DataConfig, tokenizer: str) -> TokenizedCorpus:
     stream, _ = _read_cache(cache)
     if stream is not None:
         return TokenizedCorpus(stream, source_sha256)
-    with _cache_writes(cache.with_name(cache.stem + ".shards")):  # the tokenized shards (and the lock): named
+    shards = cache.with_name(cache.stem + ".shards")  # a corpus's tokenized shards, before the cache is written
+    with _cache_writes(shards):  # a failed write there (or of the lock): named
         cache.parent.mkdir(parents=True, exist_ok=True)
         with _cache_lock(cache) as locked:
             stream, damage = _read_cache(cache)  # another process may have tokenized it while this one waited
@@ -72,7 +73,6 @@ def tokenized_corpus(cfg: DataConfig, tokenizer: str) -> TokenizedCorpus:
             if corpus is None:
                 stream = join_docs(chitchat_docs(source_path(cfg), QwenTokenizer(tokenizer)))
             else:
-                shards = cache.with_name(cache.stem + ".shards")
                 start = time.monotonic()
                 manifest = tokenize_to_shards(corpus, shards, tokenizer, workers=_TOKENIZE_WORKERS,
                                               docs_per_shard=_CACHE_DOCS_PER_SHARD, source_sha256=source_sha256)
