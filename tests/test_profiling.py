@@ -11,7 +11,8 @@ import torch
 from torch.autograd.profiler_util import FunctionEvent
 
 import train
-from training.profiling import KernelInterval, _activities, classify, kernel_intervals, summarize
+from training.profiling import (LOOPBACK, KernelInterval, _activities, classify, kernel_intervals,
+                                loopback_ms, split_loopback, step_profile, summarize)
 
 
 def _rows(summary: str) -> dict[str, list[str]]:
@@ -79,6 +80,7 @@ def test_summary_without_device_kernels_says_so():
     assert "No device kernels were recorded" in summary
 
 
+@pytest.mark.torch_apis  # the profiler's FunctionEvent differs between torch versions
 def test_kernel_intervals_keep_device_kernels_only():
     def event(name: str, device_type: torch.autograd.DeviceType, **kwargs) -> FunctionEvent:
         return FunctionEvent(id=0, name=name, thread=1, start_us=10.0, end_us=25.0, device_type=device_type,
@@ -91,6 +93,39 @@ def test_kernel_intervals_keep_device_kernels_only():
                     event("nvjet_tst_128x256", torch.autograd.DeviceType.CUDA)]
 
     assert kernel_intervals(Profile()) == [KernelInterval("nvjet_tst_128x256", 10.0, 25.0, 7)]
+
+
+@pytest.mark.torch_apis  # the profiler's FunctionEvent differs between torch versions
+def test_loopback_copies_are_counted_apart_from_compute():
+    # A loopback all-to-all range launches a 4 us device-to-device copy (through a child op) beside a compute copy
+    # of the same name but 3 us and a GEMM: the loopback copy leaves the categories and the busy time, and is
+    # reported on its own line and by collective.
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name: str, start: float, end: float, device_type=cpu) -> FunctionEvent:
+        return FunctionEvent(id=0, name=name, thread=1, start_us=start, end_us=end, device_type=device_type,
+                             device_resource_id=7, use_device="cuda")
+
+    copy = "Memcpy DtoD (Device -> Device)"
+    loopback_range, launch = event("loopback all_to_all", 0.0, 5.0), event("aten::copy_", 1.0, 4.0)
+    launch.append_kernel(copy, 0, 4.0)
+    loopback_range.append_cpu_child(launch)
+    device = [event(copy, 10.0, 13.0, cuda), event(copy, 20.0, 24.0, cuda), event("nvjet_tst_gemm", 30.0, 40.0, cuda)]
+
+    class Profile:
+        def events(self) -> list[FunctionEvent]:
+            return [loopback_range, launch, *device]
+
+    kernels, copies = split_loopback(Profile(), kernel_intervals(Profile()))
+    assert copies == [KernelInterval(copy, 20.0, 24.0, 7)]
+    assert [k.name for k in kernels] == [copy, "nvjet_tst_gemm"]
+    rows = _rows(summarize(kernels, wall_s=50e-6, steps=1, loopback=copies))
+    assert rows["compute kernels busy (union over streams)"][0] == "0.01"  # 3 + 10 us, not 17
+    assert rows["copy / cast"][0] == "0.00" and rows[LOOPBACK][2] == "1"
+    profile = step_profile(kernels, 50e-6, 1, loopback_ms(Profile(), 1))
+    assert profile["categories_ms"] == {"copy / cast": pytest.approx(3e-3), "GEMM": pytest.approx(10e-3)}
+    assert profile["busy_ms"] == pytest.approx(13e-3)
+    assert profile["loopback_ms"] == {"all_to_all": pytest.approx(4e-3)}
 
 
 def test_profiled_cpu_run_writes_trace_and_summary(tiny_run_config):

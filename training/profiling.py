@@ -1,6 +1,7 @@
 """Where the step time goes: ``logging.profile_step`` runs torch.profiler over a few training steps and
 writes ``<run_dir>/profile/trace_rank{r}.json.gz`` (chrome://tracing, Perfetto) and a markdown summary of
-device-kernel time by category, compute busy/idle time and exposed communication."""
+device-kernel time by category, compute busy/idle time and exposed communication. Under the loopback world
+(``launch.simulate_world``) the copies that stand in for collectives are counted apart, never as compute."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import logging
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from core.files import atomic_write_text
 logger = logging.getLogger(__name__)
 
 COMMUNICATION = "communication"
+LOOPBACK = "loopback copies (collective stand-ins, not compute)"
 # First match wins, so the order matters: NCCL kernel names contain "gather"/"reduce", cutlass grouped GEMMs
 # and fmha kernels contain "cutlass", optimizer and copy kernels are "elementwise" kernels.
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
@@ -82,9 +84,11 @@ def _cell(name: str) -> str:
     return name.replace("|", "\\|")
 
 
-def summarize(kernels: list[KernelInterval], wall_s: float, steps: int) -> str:
+def summarize(kernels: list[KernelInterval], wall_s: float, steps: int,
+              loopback: list[KernelInterval] | None = None) -> str:
     """A markdown report per step: wall time, compute busy/idle, hidden vs exposed communication, kernel time
-    by category and the top 15 kernels. Concurrent kernels (streams) count once in the busy time."""
+    by category and the top 15 kernels. Concurrent kernels (streams) count once in the busy time. ``loopback``:
+    the loopback world's copies (``split_loopback``), a category of their own, outside the busy time."""
     wall_ms = wall_s * 1e3 / steps
     lines = ["| per step | ms | share of wall |", "|---|---|---|", f"| wall time | {wall_ms:.2f} | 100.0% |"]
     if not kernels:
@@ -112,6 +116,9 @@ def summarize(kernels: list[KernelInterval], wall_s: float, steps: int) -> str:
     time_us: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in loopback or []:
+        time_us[LOOPBACK] += k.end_us - k.start_us
+        count[LOOPBACK] += 1
     for k in kernels:
         time_us[category_of[k.name]] += k.end_us - k.start_us
         count[category_of[k.name]] += 1
@@ -130,7 +137,7 @@ def summarize(kernels: list[KernelInterval], wall_s: float, steps: int) -> str:
 
 def step_profile(kernels: list[KernelInterval], wall_s: float, steps: int, loopback: dict[str, float]) -> dict:
     """The summary's numbers per step, in ms, for scripts: wall, compute busy (union over streams) and idle, kernel
-    time by category, and the loopback copies by collective (their kernels are counted in the rest too)."""
+    time by category, and the loopback copies by collective (``kernels`` without them: ``split_loopback``)."""
     compute = _merge([(k.start_us, k.end_us) for k in kernels if classify(k.name) != COMMUNICATION])
     by_category: dict[str, float] = defaultdict(float)
     for k in kernels:
@@ -140,14 +147,42 @@ def step_profile(kernels: list[KernelInterval], wall_s: float, steps: int, loopb
             "categories_ms": dict(by_category), "loopback_ms": loopback}
 
 
+def _loopback_ranges(prof: torch.profiler.profile) -> list:
+    """The host ranges ``loopback <collective>`` (``parallelisms.loopback``) of a stopped profiler."""
+    return [evt for evt in prof.events()
+            if evt.name.startswith("loopback ") and evt.device_type == torch.autograd.DeviceType.CPU]
+
+
 def loopback_ms(prof: torch.profiler.profile, steps: int) -> dict[str, float]:
     """Device time per step of the kernels launched inside each ``loopback <collective>`` range (the loopback
     world's copies, ``parallelisms.loopback``), by collective; {} when there are none or no device was recorded."""
     out: dict[str, float] = defaultdict(float)
-    for evt in prof.events():
-        if evt.name.startswith("loopback ") and evt.device_type == torch.autograd.DeviceType.CPU:
-            out[evt.name.removeprefix("loopback ")] += evt.device_time_total / 1e3 / steps
+    for evt in _loopback_ranges(prof):
+        out[evt.name.removeprefix("loopback ")] += evt.device_time_total / 1e3 / steps
     return {kind: ms for kind, ms in out.items() if ms > 0}
+
+
+def split_loopback(prof: torch.profiler.profile, kernels: list[KernelInterval]
+                   ) -> tuple[list[KernelInterval], list[KernelInterval]]:
+    """``kernels`` -> (the others, the loopback copies): the kernels launched by a host op inside a ``loopback``
+    range. The profiler links a launch to its kernel by name and duration only (``FunctionEvent.kernels``), so a
+    kernel is matched by both; two kernels of one name and one duration are interchangeable in every figure but the
+    busy union, which then may shift by one such kernel."""
+    launched: Counter[tuple[str, float]] = Counter()
+    stack = _loopback_ranges(prof)
+    while stack:
+        evt = stack.pop()
+        launched.update((k.name, k.duration) for k in evt.kernels)
+        stack.extend(evt.cpu_children)
+    rest, copies = [], []
+    for k in kernels:
+        key = (k.name, k.end_us - k.start_us)
+        if launched[key] > 0:
+            launched[key] -= 1
+            copies.append(k)
+        else:
+            rest.append(k)
+    return rest, copies
 
 
 def kernel_intervals(prof: torch.profiler.profile) -> list[KernelInterval]:
@@ -218,8 +253,8 @@ class StepProfiler:
         last = self._first + self._steps - 1
         title = (f"Profile of steps {self._first}..{last}, rank {self._rank}"
                  + ("" if self._host else ", device kernels only (logging.profile_host=false)"))
-        kernels = kernel_intervals(prof)
-        summary = summarize(kernels, wall_s, self._steps)
+        kernels, copies = split_loopback(prof, kernel_intervals(prof))
+        summary = summarize(kernels, wall_s, self._steps, copies)
         loopback = loopback_ms(prof, self._steps)
         if loopback:
             summary += "\n\n| loopback copies (stand-ins for collectives, launch.simulate_world) | ms/step |\n|---|---|\n" \
