@@ -430,6 +430,11 @@ def test_the_failed_rank_is_told_apart_from_the_ranks_torchrun_stopped(tmp_path)
     killed = {0: _failure(1, 1, "lost a peer rank (its process ended): RuntimeError: Connection reset by peer"),
               1: _failure(-signal.SIGKILL, 2)}
     assert failure_line(killed, tmp_path).startswith("rank 1 of the torchrun job was killed by SIGKILL (signal 9)")
+    # ... and then aborted on its way out, in the same second as torchrun saw the kill (seen in the full suite)
+    lost_then_aborted = {0: _failure(-signal.SIGABRT, 2, "lost a peer rank (its process ended): RuntimeError: ..."),
+                         1: _failure(-signal.SIGKILL, 2)}
+    assert failure_line(lost_then_aborted, tmp_path).startswith(
+        "rank 1 of the torchrun job was killed by SIGKILL (signal 9)")
     # both raised; rank 1 aborted before it wrote its error, and torchrun stopped rank 0 after it wrote its own
     both = {0: _failure(-signal.SIGTERM, 2, "CheckpointError: the checkpoint is damaged"),
             1: _failure(-signal.SIGABRT, 1)}

@@ -222,14 +222,11 @@ def failure_line(failures: dict, checkpoints: Path) -> str:
 
     def order(rank: int) -> tuple[int, int]:
         f, written = failures[rank], _written_message(failures[rank])
-        lost_peer = written.startswith(_LOST_PEER_LINE)
-        if written and not lost_peer:
-            return 0, f.timestamp
+        if written:  # however it then exited: a lost peer's rank may abort (SIGABRT) on its way out
+            return (2 if written.startswith(_LOST_PEER_LINE) else 0), f.timestamp
         if f.exitcode == -signal.SIGTERM:
             return 3, f.timestamp
-        if f.exitcode < 0:
-            return 1, f.timestamp
-        return (2 if lost_peer else 0), f.timestamp
+        return (1 if f.exitcode < 0 else 0), f.timestamp
 
     rank = min(failures, key=order)
     failure = failures[rank]
