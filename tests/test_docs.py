@@ -32,10 +32,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 import parallelisms
-import train
 from tests.conftest import CONF_DIR, REPO
 from training.config import TrainConfig, register_schema, to_train_config, validate
 from training.planner import PlanConfig
+from training import startup
 
 DOC_FILES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/lab/ too
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console"}
@@ -210,7 +210,7 @@ def _validate(cfg: TrainConfig, world: int | None) -> None:
         validate(dataclasses.replace(cfg, data=bundled))
     if cfg.model.init_from is not None:  # the architecture is the directory's config.json
         return
-    spec, args = train.resolve_model(cfg)
+    spec, args = startup.resolve_model(cfg)
     if world is not None:
         parallelisms.validate_parallel_config(cfg.parallel, world, args.num_experts, heads=spec.cp_head_counts(args),
                                               seq_len=cfg.data.seq_len)

@@ -25,6 +25,7 @@ from kernels.moe.grouped_mm import grouped_mm, per_group_mm
 from parallelisms.float8 import (Candidate, Float8Plan, apply_float8, check_float8_device,
                                  float8_candidates, plan_float8)
 from training.config import TrainConfig, validate
+from training import startup
 
 pytestmark = pytest.mark.torch_apis  # torchao's Float8 on torch internals, compile
 
@@ -431,8 +432,6 @@ def test_the_scaled_mm_emulation_matches_torch_s_cpu_kernel() -> None:
 # ------------------------------------------------------------------------------------------ config and device
 
 def test_config_key_is_validated_and_old_checkpoints_resume() -> None:
-    import train
-
     cfg = TrainConfig()
     assert cfg.train.float8 == "none"
     validate(cfg)
@@ -451,9 +450,9 @@ def test_config_key_is_validated_and_old_checkpoints_resume() -> None:
     current = OmegaConf.to_container(OmegaConf.structured(TrainConfig()))
     current["model"]["arch"] = dataclasses.asdict(models.build_args("qwen3_moe", {}))  # as train.py records it
     old = {**current, "train": {k: v for k, v in current["train"].items() if k != "float8"}}
-    train.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
+    startup.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
     current["train"]["float8"] = "rowwise"
-    train.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
+    startup.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
 
 
 @pytest.mark.parametrize("device_type,capability,message", [

@@ -31,6 +31,7 @@ from training.data.loader import build_data_loader
 from training.data.hf_tokenizer import (CHAT_TEMPLATE, TOKENIZER_FILES, identify_hf_tokenizer, run_tokenizer,
                                    write_hf_tokenizer)
 from training.data.tokenizer import QwenTokenizer, special_tokens
+from training import startup
 
 REPO = Path(__file__).resolve().parents[1]
 CHITCHAT_JSON = Path(str(importlib.resources.files("chitchat_dataset") / "dataset.json"))
@@ -226,14 +227,14 @@ def test_presets_name_their_tokenizer_and_data_tokenizer_is_gone():
 ])
 def test_a_tokenizer_that_does_not_fit_fails_at_start_up(overrides, message):
     with pytest.raises(ValueError, match=message):
-        train.check_config(compose_config(overrides), world_size=1)
+        startup.check_config(compose_config(overrides), world_size=1)
 
 
 def test_pre_tokenized_data_of_another_vocabulary_has_no_tokenizer(tmp_path, caplog):
     data = write_tokens(tmp_path / "t.npy", 1000)
     cfg = compose_config([*TINY_MODEL, "data=tokens", f"data.path={data}", "checkpoint.export_hf_at_end=true"])
     with caplog.at_level("WARNING"):
-        train.check_config(cfg, world_size=1)
+        startup.check_config(cfg, world_size=1)
     assert run_tokenizer(cfg, 256) is None
     assert "will have no tokenizer files (model.tokenizer=qwen3 has 151,669 ids" in caplog.text
     assert run_tokenizer(compose_config(["data=tokens", f"data.path={data}"]), 151_936) == "qwen3"
@@ -256,8 +257,8 @@ QWEN35_CONFIG = {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "num_ex
 def test_model_hf_takes_the_tokenizer_of_its_directory(tmp_path, hf_tokenizer):
     def tokenizer(init_from: Path, *overrides: str) -> str | None:
         cfg = compose_config(["model=hf", f"model.init_from={init_from}", *overrides])
-        train.check_config(cfg, world_size=1)
-        return run_tokenizer(cfg, train.resolve_model(cfg)[1].vocab_size)
+        startup.check_config(cfg, world_size=1)
+        return run_tokenizer(cfg, startup.resolve_model(cfg)[1].vocab_size)
 
     qwen3 = fake_hf_dir(tmp_path / "qwen3", QWEN3_CONFIG, hf_tokenizer("qwen3")[0])
     qwen35 = fake_hf_dir(tmp_path / "qwen35", QWEN35_CONFIG, hf_tokenizer("qwen3_5")[0])
@@ -272,7 +273,7 @@ def test_model_hf_takes_the_tokenizer_of_its_directory(tmp_path, hf_tokenizer):
         tokenizer(tiny)
     # a named preset (or tokenizer) that disagrees with the directory
     with pytest.raises(ValueError, match=r"model.tokenizer=qwen3 but model.init_from=.* is of the qwen3_5 vocabulary"):
-        train.check_config(compose_config([f"model.init_from={qwen35}"]), world_size=1)
+        startup.check_config(compose_config([f"model.init_from={qwen35}"]), world_size=1)
     with pytest.raises(ValueError, match=r"is of the qwen3 vocabulary .* set model.tokenizer=qwen3 "):
         tokenizer(qwen3, "model.tokenizer=qwen3_5")
 
@@ -291,7 +292,7 @@ def test_a_directory_tokenizer_we_cannot_reproduce_is_refused(tmp_path):
     wrong_ids = fake_hf_dir(tmp_path / "wrong_ids", {**QWEN3_CONFIG, "eos_token_id": 248046})
     with pytest.raises(ValueError, match=r"config.json: eos_token_id=248046 is not a special token of "
                                          r"model.tokenizer=qwen3"):
-        train.check_config(compose_config([f"model.init_from={wrong_ids}"]), world_size=1)
+        startup.check_config(compose_config([f"model.init_from={wrong_ids}"]), world_size=1)
 
 
 def test_a_changed_tokenizer_refuses_to_resume():

@@ -150,3 +150,38 @@ def test_a_queued_read_gives_the_values_at_the_call_not_the_later_writes() -> No
     for _ in range(50):  # queued after the copy: the read does not wait for these, nor see them
         t.mul_(1.5)
     assert read().tolist() == [0.0, 1.0, 2.0, 3.0] and read().device.type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.set_sync_debug_mode")
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_on_cuda_a_step_syncs_only_in_its_one_read(tiny_run_config, monkeypatch, optimizer: str) -> None:
+    """On the GPU, with the trainer's kernels and bf16: every step after two warm-up steps (Triton's first launches
+    compile and autotune, which sync) prepares its batches, queues its kernels and resolves its read's decisions
+    under ``torch.cuda.set_sync_debug_mode("error")``, so any sync outside train_step's one read raises."""
+    strict = {"on": False}
+
+    def checked(fn):
+        def call(*args, **kwargs):
+            if not strict["on"]:
+                return fn(*args, **kwargs)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return call
+
+    steps, original = [], train.train_step
+
+    def counted_step(*args, **kwargs):
+        result = original(*args, **kwargs)
+        steps.append(1)
+        strict["on"] = len(steps) >= 2
+        return result
+
+    for name in ("prepare_batches", "queue_step", "resolve_step"):
+        monkeypatch.setattr(train, name, checked(getattr(train, name)))
+    monkeypatch.setattr(train, "train_step", counted_step)
+    history = train.run(tiny_run_config("train.steps=8", "train.device=cuda", "logging.log_every=100",
+                                        "logging.routing_every=0", optimizer))
+    assert [m["step"] for m in history] == list(range(1, 9)) and len(steps) == 8

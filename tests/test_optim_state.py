@@ -18,6 +18,7 @@ from training.checkpoint import load_checkpoint
 from training.config import OptimConfig, validate
 from parallelisms.grad_norm import clip_coefficient
 from training.optim import AdamW, build_optimizer, clipped_step, queue_step
+from training import startup
 
 pytestmark = pytest.mark.torch_apis  # DCP checkpoints of the optimizer state
 
@@ -173,7 +174,7 @@ def test_bfloat16_state_resumes_exactly_and_a_float32_checkpoint_converts_when_a
                                   f"train.output_dir={tmp_path / 'e'}"))
     # Allowed: the moments load rounded to bf16 (DCP copies into the optimizer's own state tensors).
     cfg = tiny_run_config(bf16)
-    spec, model_args = train.resolve_model(cfg)
+    spec, model_args = startup.resolve_model(cfg)
     moments = {}
     for name, state_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
         model = spec.model_cls(model_args)

@@ -24,6 +24,7 @@ from training.data.loader import build_data_loader
 from training.data.packing import Source, hold_out
 from training.loss import router_loss_shares
 from training.router_balance import update_expert_biases
+from training import startup
 
 ARCH = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64)
@@ -127,10 +128,10 @@ def test_forced_balance_is_refused_where_it_cannot_hold_and_warned_of_where_it_r
     cfg = compose_config(["parallel=cp2", "data.seq_len=20", "model.arch.router_force_balance=true"])
     with pytest.raises(ValueError, match=r"parallel.cp_size=2: .* 10 x model.arch.num_experts_per_tok=2 must be a "
                                          r"multiple of model.arch.num_experts=8 .* data.seq_len a multiple of 8"):
-        train.check_config(cfg, world_size=2)
-    train.check_config(compose_config(["parallel=cp2", "data.seq_len=24", "model.arch.router_force_balance=true"]),
+        startup.check_config(cfg, world_size=2)
+    startup.check_config(compose_config(["parallel=cp2", "data.seq_len=24", "model.arch.router_force_balance=true"]),
                        world_size=2)
-    train.check_config(compose_config(["parallel=cp2", "data.seq_len=20"]), world_size=2)  # learned routing: fine
+    startup.check_config(compose_config(["parallel=cp2", "data.seq_len=20"]), world_size=2)  # learned routing: fine
     warned = config_warnings(compose_config(["model.arch.router_force_balance=true"]))
     assert len(warned) == 1 and "router_force_balance=true" in warned[0] and "no usable model" in warned[0]
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import train
+from training import startup
 from models import build_args, get_spec
 from tests.conftest import TINY_MODEL, write_tokens
 
@@ -115,10 +116,10 @@ def test_checkpoints_from_before_model_tokenizer_still_resume(tiny_run_config):
     old_data = {k: v for k, v in current["data"].items() if k not in ("bin_dtype", "sources")}
     old = {**current, "model": {k: v for k, v in current["model"].items() if k != "tokenizer"},
            "data": {**old_data, "tokenizer": "qwen3"}}
-    train.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
+    startup.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
     old["data"]["tokenizer"] = "qwen3_5"
     with pytest.raises(ValueError, match="model.tokenizer: 'qwen3_5' -> 'qwen3'"):
-        train.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
+        startup.check_resumed_config({"config": old}, current, 4, [], Path("step_1"), log=False)
 
 
 def test_log_handlers_that_hydra_did_not_make_are_left_alone(tiny_run_config, tmp_path):

@@ -26,6 +26,7 @@ from tests.dist_utils import run_distributed
 from training import checkpoint as ckpt
 from training.config import COMPILE_VERDICT, config_warnings
 from training.launch import failure_line
+from training.loop_controls import StopSignal
 from training.run_dir import RECORD_FILE, find_start, lock_run_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,7 +280,7 @@ def test_ctrl_c_checkpoints_and_exits_130_with_one_line(tmp_path):
 
 def _stop_calls(rank: int, world_size: int) -> list[bool]:
     dims = type("Dims", (), {"world_size": world_size})()
-    stop = train.StopSignal(dims, torch.device("cpu"))
+    stop = StopSignal(dims, torch.device("cpu"))
     try:
         answers = []
         for call in range(5):
@@ -302,7 +303,7 @@ def test_ranks_stop_at_one_step_on_one_ranks_signal():
 
 def test_a_second_ctrl_c_stops_at_once():
     dims = type("Dims", (), {"world_size": 1})()
-    stop = train.StopSignal(dims, torch.device("cpu"))
+    stop = StopSignal(dims, torch.device("cpu"))
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested() and stop.name == "SIGINT"

@@ -15,6 +15,7 @@ from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file
 
 import train
+import training.batch
 from models import build_args, get_spec
 from tests.conftest import TINY_MODEL, compose_config, write_chats
 from training.data.loader import build_data_loader
@@ -133,16 +134,16 @@ def test_masked_chats_train_the_same_with_the_lm_head_on_the_trained_rows_only(t
             f"train.output_dir={tmp_path / name}", "train.steps=3", "train.local_batch_size=2",
             "logging.tensorboard=false", "train.device=cpu"]))
 
-    selected, trained_rows = [], train.trained_rows
+    selected, trained_rows = [], training.batch.trained_rows
 
     def recorded(labels_BT: torch.Tensor, dev: torch.device) -> torch.Tensor | None:
         selected.append(trained_rows(labels_BT, dev))
         return selected[-1]
 
-    monkeypatch.setattr(train, "trained_rows", recorded)
+    monkeypatch.setattr(training.batch, "trained_rows", recorded)
     rows = run("rows")
     assert len(selected) == 3 and all(rows_N is not None for rows_N in selected)
-    monkeypatch.setattr(train, "trained_rows", lambda labels_BT, dev: None)
+    monkeypatch.setattr(training.batch, "trained_rows", lambda labels_BT, dev: None)
     every = run("every")
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in rows] == pytest.approx([m[key] for m in every], rel=1e-5)

@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 import models
+from core.config import execution, execution_keys
 from kernels.config import KernelConfig, validate_kernel_config
 from parallelisms.config import ParallelConfig
 from parallelisms.dispatchers.base import validate_dispatcher_config
@@ -27,12 +28,12 @@ from training.launch import LaunchConfig, simulation_errors
 
 @dataclass
 class ModelConfig:
-    name: str = "qwen3_moe_debug"
+    name: str = execution(default="qwen3_moe_debug")  # the preset's name; what it builds is compared
     model_type: str | None = "qwen3_moe"  # None with model=hf: taken from init_from's config.json
     # The vocabulary the data is tokenized with and the export writes: qwen3 | qwen3_5 (training.data.tokenizer), auto
     # (model.init_from's tokenizer files; model=hf) or none (pre-tokenized data of another vocabulary)
     tokenizer: str = "qwen3"
-    init_from: str | None = None  # a Hugging Face directory (config.json + safetensors) to load weights from
+    init_from: str | None = execution(default=None)  # a Hugging Face directory (config.json + safetensors) to load weights from
     arch: dict[str, Any] = field(default_factory=dict)  # the family's hyper-parameters (models/<family>/args.py)
 
 
@@ -66,31 +67,32 @@ class OptimConfig:
 @dataclass
 class TrainSection:
     steps: int = 100  # optimizer steps; 0 logs the first batch's loss (step 0) and updates nothing
-    local_batch_size: int = 4  # sequences per rank per micro-batch
-    grad_accum_steps: int = 1
+    # A resume compares the global batch (local_batch_size x grad_accum_steps x dp), not its factors
+    local_batch_size: int = execution(default=4)  # sequences per rank per micro-batch
+    grad_accum_steps: int = execution(default=1)
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | npu
-    mixed_precision: str = "auto"  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
+    device: str = execution(default="auto")  # auto | cpu | cuda | npu
+    mixed_precision: str = execution(default="auto")  # auto (bf16 on accelerators, fp32 on CPU) | bf16 | fp32
     # none | rowwise: FP8 GEMMs with dynamic rowwise scales for the blocks' projections and the routed experts
     # (parallelisms/float8.py; CUDA sm_90+, needs torchao)
-    float8: str = "none"
+    float8: str = execution(default="none")  # like mixed_precision: how the same weights are computed
     # torch.compile each decoder block but its routed experts (parallelisms/compile.py); the same weights and maths
-    compile: bool = False
-    output_dir: str | None = None  # run directory; None: Hydra's run directory
-    save_final: bool = True  # write the final weights to <run_dir>/model.safetensors
-    resume: str = "none"  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
+    compile: bool = execution(default=False)
+    output_dir: str | None = execution(default=None)  # run directory; None: Hydra's run directory
+    save_final: bool = execution(default=True)  # write the final weights to <run_dir>/model.safetensors
+    resume: str = execution(default="none")  # none | auto (newest complete checkpoint of the run, if any) | a checkpoint directory
     # train.resume=<an older checkpoint of this run>: discard the run's newer checkpoints, metric lines and final
     # weights (removed once the resume has loaded); without it such a resume is refused
-    discard_newer: bool = False
-    nonfinite: str = "stop"  # a non-finite loss or gradient norm: stop (raise with a report) | skip (no update)
-    gc_every: int = 50  # steps between manual Python GCs (automatic GC off during the loop); 0: automatic GC
+    discard_newer: bool = execution(default=False)
+    nonfinite: str = execution(default="stop")  # a non-finite loss or gradient norm: stop (raise with a report) | skip (no update)
+    gc_every: int = execution(default=50)  # steps between manual Python GCs (automatic GC off during the loop); 0: automatic GC
     # Validation loss (val_loss) every eval_every steps and at the last (0: off), over the first eval_batches global
     # batches of the data held out by data.val_fraction
     eval_every: int = 0
     eval_batches: int = 4
     # On resume: keys (or whole groups, e.g. data) deliberately changed from the checkpoint's config, which
     # would otherwise refuse to resume (see check_resume_config)
-    allow_changes: list[str] = field(default_factory=list)
+    allow_changes: list[str] = execution(default_factory=list)
 
 
 @dataclass
@@ -113,16 +115,18 @@ class LoggingConfig:
 
 @dataclass
 class TrainConfig:
+    """Every group; those marked ``execution`` say how the run executes, so a resume may change any key in them
+    (``core.config``), as it may the keys so marked in the other groups."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
-    kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    parallel: ParallelConfig = execution(default_factory=ParallelConfig)
+    dispatcher: DispatcherConfig = execution(default_factory=DispatcherConfig)
+    kernel_config: KernelConfig = execution(default_factory=KernelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logging: LoggingConfig = execution(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = execution(default_factory=CheckpointConfig)
+    launch: LaunchConfig = execution(default_factory=LaunchConfig)
 
 
 def to_train_config(node: DictConfig) -> TrainConfig:
@@ -276,17 +280,6 @@ COMPILE_VERDICT = ("train.compile=true: measured no faster than eager on one H20
                    "it costs a minute of compilation at start")
 
 
-# What a resume may change freely: where and how the run executes, not what it trains. Any other difference from
-# the checkpoint's config (the model, the data, the optimizer and schedule, the seed, the global batch) refuses
-# to resume unless train.allow_changes names it.
-_EXECUTION_KEYS = ("parallel", "dispatcher", "kernel_config", "launch", "logging", "checkpoint", "model.name",
-                   "model.init_from", "data.cache_dir", "train.resume", "train.allow_changes", "train.output_dir",
-                   "data.allow_special_only",  # only whether such a corpus is refused: the data itself is compared
-                   "train.discard_newer",
-                   "train.device", "train.mixed_precision", "train.gc_every", "train.save_final", "train.nonfinite",
-                   "train.local_batch_size", "train.grad_accum_steps",
-                   # like mixed_precision: how the same weights are computed, not what is trained
-                   "train.float8", "train.compile")
 GLOBAL_BATCH_KEY = "train.global_batch_size"  # local_batch_size x grad_accum_steps x dp: compared, not a key
 
 
@@ -331,7 +324,8 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], allow: l
     missing = "<absent>"
     changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, missing) != current.get(k, missing)]
     lines = [f"{k}: {saved.get(k, missing)!r} -> {current.get(k, missing)!r}" for k in changed]
-    refused = [k for k in changed if not _covers(_EXECUTION_KEYS, k) and not _covers(allow, k)]
+    free = list(execution_keys(TrainConfig))  # what a resume may change: the fields marked execution
+    refused = [k for k in changed if not _covers(free, k) and not _covers(allow, k)]
     _check(not refused, f"resuming from {source} would change what is trained: "
            + "; ".join(line for k, line in zip(changed, lines) if k in refused)
            + f". Keep the checkpoint's values, or make the change deliberate with train.allow_changes=[{','.join(refused)}]")

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from kernels.optim.adamw import adamw_step_
+from parallelisms import may_drop_rows
 from parallelisms.compute_copy import copies_to_write, copies_written
 from parallelisms.grad_norm import clip_coefficient, scale_grads_
 from training.config import OptimConfig
@@ -43,7 +44,20 @@ def adamw_kind(cfg: OptimConfig, device_type: str) -> str:
     return "torch_fused" if cfg.fused else "torch_foreach"
 
 
-class AdamW(torch.optim.Optimizer):
+class GatedOptimizer(torch.optim.Optimizer):
+    """The interface of an optimizer that takes a step's decisions on the device: ``step(gate=...)`` applies the clip
+    coefficient and whether the update applies from device tensors (so the update is queued before the step's host
+    read: ``QueuedUpdate``), ``step(grad_scale=...)`` the clip alone, and ``rewind`` takes back the host state of a
+    gated step that did not apply."""
+
+    def step(self, closure=None, grad_scale: float = 1.0, gate: torch.Tensor | None = None):
+        raise NotImplementedError
+
+    def rewind(self) -> None:
+        raise NotImplementedError
+
+
+class AdamW(GatedOptimizer):
     """Decoupled-weight-decay Adam with the moments (exp_avg, exp_avg_sq) stored in ``state_dtype``, the update in
     fp32 on the parameters' own dtype (fp32 master weights): ``kernels.optim.adamw.adamw_step_``, one parameter at a
     time (one Triton pass on CUDA). State keys and step counters as torch.optim.AdamW's (a host tensor per parameter,
@@ -110,7 +124,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: f
     ``AdamW`` above takes the clip coefficient into its update (no pass over the gradients); torch's optimizers get
     the gradients scaled in place first, by one ``_foreach_mul_``, which a step within the norm skips."""
     coef = clip_coefficient(max_norm, norm) if max_norm > 0 else 1.0
-    if isinstance(optimizer, AdamW):
+    if isinstance(optimizer, GatedOptimizer):
         optimizer.step(grad_scale=coef)
         return
     if coef < 1:
@@ -122,14 +136,54 @@ def queue_step(optimizer: torch.optim.Optimizer, max_norm: float, norm: torch.Te
     """Queue the optimizer's step before the host has read the step's gradient norm and losses, where the
     optimizer can take the decision on the device (``AdamW`` above): clipped to ``max_norm`` (<= 0: not clipped)
     and applied only if ``norm`` and every one of ``losses`` are finite. The device then goes from backward to the
-    update without waiting for the host to read, decide and launch. False, nothing queued, for torch's optimizers:
-    ``clipped_step`` after the read. After the read, a step that was not finite calls ``optimizer.rewind()``."""
-    if not isinstance(optimizer, AdamW):
+    update without waiting for the host to read, decide and launch. False, nothing queued, for an optimizer that is
+    not a ``GatedOptimizer`` (torch's): ``clipped_step`` after the read. After the read, a step that was not finite
+    calls ``optimizer.rewind()``."""
+    if not isinstance(optimizer, GatedOptimizer):
         return False
     coef = clip_coefficient(max_norm, norm) if max_norm > 0 else torch.ones_like(norm)
     applies = torch.isfinite(losses).all() & torch.isfinite(norm)
     optimizer.step(gate=torch.stack([coef, applies.to(coef.dtype)]))
     return True
+
+
+class Update:
+    """A train step's update, in the two phases around the step's one host read (train.py): ``queue`` before the
+    read, ``resolve`` after it with what the read found. This one decides on the host: after the read, the step is
+    clipped with the norm it read and applied where finite (``clipped_step``). ``build_update`` picks, once."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float) -> None:
+        self.optimizer, self.model, self.max_norm = optimizer, model, max_norm
+
+    def queue(self, norm: torch.Tensor, losses: torch.Tensor) -> None:
+        """Before the read, with the step's gradient norm and losses on the device."""
+
+    def resolve(self, finite: bool, norm: float) -> None:
+        """After the read: whether the losses and the norm were finite, and the norm."""
+        if finite:
+            clipped_step(self.optimizer, self.model, self.max_norm, norm)
+
+
+class QueuedUpdate(Update):
+    """Queued before the read, clipped and gated on the device (``queue_step``): the device goes from backward to the
+    update, and on to the next forward, without waiting for the host to read, decide and launch. A step the device
+    did not apply (not finite) is rewound after the read."""
+
+    def queue(self, norm: torch.Tensor, losses: torch.Tensor) -> None:
+        queue_step(self.optimizer, self.max_norm, norm, losses)
+
+    def resolve(self, finite: bool, norm: float) -> None:
+        if not finite:
+            self.optimizer.rewind()
+
+
+def build_update(optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float) -> Update:
+    """``QueuedUpdate`` for a ``GatedOptimizer`` (training.optim.AdamW, the CUDA default), unless the model's
+    dispatcher may drop rows (dispatcher=capacity): the host learns of that only after the read, and such a step must
+    not be applied. Else the host's ``Update``."""
+    if isinstance(optimizer, GatedOptimizer) and not may_drop_rows(model):
+        return QueuedUpdate(optimizer, model, max_norm)
+    return Update(optimizer, model, max_norm)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -248,3 +302,25 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     for group in optimizer.param_groups:
         group["initial_lr"] = cfg.lr
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps), last_epoch=position - 1)
+
+
+class Schedule:
+    """The lr schedule as a checkpoint component (``training.train_state``): its state is its position, the updates
+    taken so far; a resume rebuilds it there from the current config (``build_scheduler``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> None:
+        self._build = lambda position: build_scheduler(optimizer, cfg, total_steps, position)
+        self.scheduler = self._build(0)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_epoch": self.scheduler.last_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.scheduler = self._build(state["last_epoch"])

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from omegaconf import OmegaConf
 
-from core.files import atomic_write_text
+from core.files import atomic_write_text, remove, stale_temporaries
 from training.checkpoint import TRAIN_STATE, CheckpointError, damaged_message, read_train_state, step_dirs, step_of
 from training.metrics import METRICS_FILE, read_step_lines
 
@@ -150,6 +150,41 @@ class Start:
     def resumed_config(self) -> dict[str, Any] | None:
         """The resumed checkpoint's config (None: none resumed, or written before configs were recorded)."""
         return self.state.get("config") if self.state is not None else None
+
+
+class RunDir:
+    """The run directory, held (locked) by rank 0 for the run: where it writes, where its checkpoints go, what
+    this start continues (``start``) and the run's record (``run.json``, rank 0's)."""
+
+    def __init__(self, path: Path, ckpt_root: Path, start: Start) -> None:
+        self.path, self.ckpt_root, self.start = path, ckpt_root, start
+        self.record = new_record(path, ckpt_root, start.record, 0)
+
+    def begin(self, step: int, is_writer: bool) -> None:
+        """The run starts (or continues) after ``step``: record it; drop what train.discard_newer discards."""
+        self.record.step, self.record.finished = step, False
+        if self.start.checkpoint is not None:
+            self.record.checkpoint = str(self.start.checkpoint)
+        if not is_writer:
+            return
+        for path in stale_temporaries(self.path):  # under the run's lock: no live writer of this run is left
+            logger.warning("removing %s, left by a save whose process is gone (killed while writing)", path)
+            remove(path)
+        for path in self.start.discard:  # a symbolic link goes alone: what it points to is not this run's to remove
+            logger.warning("train.discard_newer: removing %s%s (trained after the resumed step %d)", path,
+                           f", a link to {path.readlink()} (kept)" if path.is_symlink() else "", step)
+            remove(path)
+        write_record(self.path, self.record)
+
+    def saved(self, step: int, checkpoint: Path, is_writer: bool) -> None:
+        self.record.step, self.record.checkpoint = step, str(checkpoint)
+        if is_writer:
+            write_record(self.path, self.record)
+
+    def finished(self, step: int, is_writer: bool) -> None:
+        self.record.step, self.record.finished = step, True
+        if is_writer:
+            write_record(self.path, self.record)
 
 
 def _logged_steps(run_dir: Path) -> int:

@@ -6,6 +6,8 @@ import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.config import execution
+
 from training.data.hf_datasets import hf_files
 from training.data.token_shards import BIN_DTYPES, shard_paths
 
@@ -32,15 +34,15 @@ class DataConfig:
     seq_len: int = 256
     # The tokenizer is the model's (model.tokenizer): build_data_loader takes it from the caller.
     mask_non_assistant: bool = False  # chat data: loss only on assistant tokens
-    cache_dir: str = ".cache/data"  # tokenized-corpus cache
+    cache_dir: str = execution(default=".cache/data")  # tokenized-corpus cache
     # Position ids restart at every document, so no token attends to (or DeltaNet carries state from) another
     # document of its packed window; false: each window is one causal sequence.
     document_mask: bool = True
     eos_id: int | None = None  # tokens: the id ending each document (None: none known); other data: <|endoftext|>
     val_fraction: float = 0.0  # the last fraction of each source's tokens held out (whole documents) for validation
     # Text and chat data whose trained labels are > 90% special tokens (empty texts or assistant messages) are
-    # refused; true: train on it anyway
-    allow_special_only: bool = False
+    # refused; true: train on it anyway (a resume may change only whether it is refused: the data itself is compared)
+    allow_special_only: bool = execution(default=False)
 
 
 def source_path(cfg: DataConfig) -> Path:
