@@ -29,6 +29,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
 from training.checkpoint import CheckpointError, complete_checkpoints
 
 _RELAUNCHED = "QWEN_MOE_RELAUNCHED"  # set for the children of relaunch_with_torchrun
@@ -54,15 +55,12 @@ def needs_torchrun(cfg: LaunchConfig) -> bool:
     return cfg.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ
 
 
-# Dispatchers whose exchange a loopback world cannot stand in for: mc2 fuses the all-to-all into HCCL's grouped
-# matmuls (torch_npu's npu_alltoallv_gmm), which talk to the peers themselves.
-UNSIMULATED_DISPATCHERS = ("mc2",)
-
-
 def simulation_errors(launch: LaunchConfig, writes: dict[str, str], dispatcher: str) -> list[str]:
     """What a loopback simulation (launch.simulate_world) cannot do, each as the line that refuses it. ``writes``:
     the keys set to write (or resume) a checkpoint, weights or an export, each with the value that turns it off. A
-    simulated checkpoint would hold one rank of N, its peers' shards being copies of its own."""
+    simulated checkpoint would hold one rank of N, its peers' shards being copies of its own. ``dispatcher``:
+    dispatcher.name, refused where its class declares the loopback cannot stand in for its exchange
+    (``Dispatcher.unsimulated``)."""
     n, r = launch.simulate_world, launch.simulate_rank
     if n == 0:
         return [] if r == 0 else [f"launch.simulate_rank={r} needs launch.simulate_world (the simulated job's ranks)"]
@@ -72,9 +70,11 @@ def simulation_errors(launch: LaunchConfig, writes: dict[str, str], dispatcher: 
     if launch.nproc_per_node > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         errors.append(f"launch.simulate_world={n} runs in one process: not with launch.nproc_per_node > 1 or under "
                       "torchrun")
-    if dispatcher in UNSIMULATED_DISPATCHERS:
-        errors.append(f"dispatcher={dispatcher} exchanges rows inside HCCL's fused grouped matmuls, which need real "
-                      f"peers: launch.simulate_world cannot simulate it; use dispatcher=fused")
+    unsimulated = dispatcher_class(dispatcher).unsimulated
+    if unsimulated:
+        simulated = ", ".join(name for name, cls in sorted(DISPATCHERS.items()) if not cls.unsimulated)
+        errors.append(f"dispatcher={dispatcher} {unsimulated}: launch.simulate_world cannot simulate it; use a "
+                      f"dispatcher it can ({simulated})")
     if writes:
         errors.append(f"launch.simulate_world={n}: a simulated run writes no checkpoint, weights or export and "
                       f"resumes none (each would hold one rank of {n}); set "

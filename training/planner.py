@@ -24,13 +24,11 @@ import models
 from kernels.loss.linear_cross_entropy import default_chunk_rows
 from models.footprint import NO_ACTIVATIONS, LayerActivations
 from parallelisms import ParallelSizes, expert_shard_dim, resolve_sizes, validate_parallel_config
+from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
 from training.config import TrainConfig, validate
 
 GiB = 2**30
 FP32, INT64 = 4, 8
-# Dispatchers whose traffic the planner counts: one count exchange and four row all-to-alls per layer (domino: the
-# same rows in two chunks). dedup sends each token once per destination rank, which depends on routing.
-COUNTED_DISPATCHERS = ("eager", "fused", "domino")
 
 
 @dataclass
@@ -246,10 +244,14 @@ def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: 
     layers = len(spec.named_blocks(model))  # every MoE block: an MTP head's too
     forwards = 2 if step.checkpoint == "full" else 1  # full checkpointing runs each block's forward again
     if s.ep > 1:
-        if step.dispatcher not in COUNTED_DISPATCHERS:
-            raise ValueError(f"dispatcher.name={step.dispatcher!r}: the planner counts the traffic of "
-                             f"{', '.join(COUNTED_DISPATCHERS)} only (dedup's depends on routing)")
-        chunks = 2 if step.dispatcher == "domino" else 1
+        # What the dispatcher declares (parallelisms/dispatchers/base.py): one count exchange and four row
+        # all-to-alls per layer, each in ``chunks`` parts, where its traffic can be counted at all.
+        dispatcher = dispatcher_class(step.dispatcher)
+        if dispatcher.uncounted_traffic:
+            counted = ", ".join(name for name, cls in sorted(DISPATCHERS.items()) if not cls.uncounted_traffic)
+            raise ValueError(f"dispatcher.name={step.dispatcher!r}: the planner counts the traffic of {counted} only "
+                             f"({step.dispatcher}'s {dispatcher.uncounted_traffic})")
+        chunks = dispatcher.chunks
         calls = layers * forwards
         add("all_to_all", "ep", "expert counts", calls, calls * chunks * args.num_experts * INT64, True)
         # Dispatch and combine in each forward and once more each in backward; summed over the ep ranks, the rows
@@ -283,10 +285,10 @@ def _merge_units(out: list[Collective]) -> None:
 def _routed_activations(args: Any, ep: int, dispatcher: str) -> LayerActivations:
     """Per token, the routed experts' rows (K per token) through the dispatcher. Without checkpointing: the rows in
     expert order (the first grouped GEMM's input), its [gate | up] output, the SwiGLU output and the expert outputs
-    the weighted sum keeps; eager also keeps the rows in arrival order. Selective: the all-to-alls' outputs (under
-    EP) and the grouped GEMMs' outputs, and the weighted sum."""
+    the weighted sum keeps, and under EP the dispatcher's ``extra_saved_rows`` (eager's rows in arrival order).
+    Selective: the all-to-alls' outputs (under EP) and the grouped GEMMs' outputs, and the weighted sum."""
     D, I, K = args.hidden_size, args.moe_intermediate_size, args.num_experts_per_tok
-    none = K * (2 * D + 3 * I) + (K * D if dispatcher == "eager" and ep > 1 else 0)
+    none = K * (2 * D + 3 * I) + (K * D * dispatcher_class(dispatcher).extra_saved_rows if ep > 1 else 0)
     return LayerActivations(none=none, none_fp32=0, selective=K * (2 * I + D) + (2 * K * D if ep > 1 else 0) + D,
                             selective_fp32=0)
 

@@ -6,12 +6,21 @@ subclass decorated ``@register("<name>")`` (the package imports every module, so
 ``conf/dispatcher/<name>.yaml`` (``name: <name>`` under a one-line comment) so ``dispatcher=<name>`` composes.
 The tests check that the two sets agree.
 
+What the other layers need of a dispatcher it declares on its class, so that nothing outside this package names
+one: its traits (``chunks``, ``extra_saved_rows`` and ``uncounted_traffic`` for the planner, training/planner.py;
+``unsimulated`` for the loopback simulation's checks, training.launch.simulation_errors; ``drops_rows`` for the
+trainer), whose defaults describe fused (the M routed rows each way in one exchange, nothing kept beyond what
+every dispatcher keeps, any simulation), the keys of the ``dispatcher`` config group it reads (``config_keys``,
+their values checked by its ``validate_config``; ``validate_dispatcher_config`` refuses any other key set away
+from its default) and the layouts it can run (``check_layout``, called by parallelize).
+
 Letters as in DEVELOPERS.md: N tokens on this rank, E experts in all, P ep ranks, G = E / P local experts (ep rank
-p holds experts [p*G, (p+1)*G)).
+p holds experts [p*G, (p+1)*G)), K experts per token, M = N * K routed rows, D hidden size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, TypeVar
 
@@ -32,9 +41,26 @@ class Dispatcher(ABC):
     """
 
     name: ClassVar[str]  # the registered name, dispatcher.name (set by @register)
+    # The keys of the dispatcher config group (DispatcherConfig's fields) it reads in ``configure``; any other key
+    # set away from its default is refused by validate_dispatcher_config.
+    config_keys: ClassVar[tuple[str, ...]] = ()
     # May drop rows (a static capacity): the host learns of it after the step's read, so the trainer must not
     # queue the optimizer's update before that read.
     drops_rows: ClassVar[bool] = False
+    # The parts each exchange is issued in (domino: its two token halves): per dispatch and per combine, ``chunks``
+    # all-to-alls of the M routed rows between them, and one count exchange of chunks x E counts. The planner
+    # counts the calls and bytes from it.
+    chunks: ClassVar[int] = 1
+    # [D] rows per routed row it keeps for backward without checkpointing, beyond what every dispatcher keeps (the
+    # rows in expert order, the experts' outputs the weighted sum reads; training/planner.py): the planner's
+    # memory adds K * D * extra_saved_rows per token under EP. Eager: 1, the rows in arrival order too.
+    extra_saved_rows: ClassVar[int] = 0
+    # Why the planner cannot count its traffic, completing "<name>'s ...", or "" where it can: it counts one
+    # count exchange and the M routed rows each way per exchange, in ``chunks`` parts.
+    uncounted_traffic: ClassVar[str] = ""
+    # Why the loopback simulation (launch.simulate_world, parallelisms/loopback.py) cannot stand in for its
+    # exchange, completing "dispatcher=<name> ...", or "" where it can; such a simulation is refused.
+    unsimulated: ClassVar[str] = ""
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         """``group``: the ep process group (P ranks). ``num_experts``: E, all experts of the layer.
@@ -48,9 +74,14 @@ class Dispatcher(ABC):
         self.num_local = num_experts // self.ep
         self.device_type = device_type or group_device_type(group)
 
+    @classmethod
+    def validate_config(cls, cfg: DispatcherConfig) -> None:
+        """Raise ``ValueError`` naming the key where one of ``config_keys`` has a value this dispatcher cannot
+        take. Called by ``validate_dispatcher_config``, before any process group. Nothing by default."""
+
     def configure(self, cfg: DispatcherConfig) -> None:
-        """Take this dispatcher's own keys of the ``dispatcher`` group (none by default; dispatcher=capacity's
-        capacity_factor). Called once, right after construction."""
+        """Take this dispatcher's own keys of the ``dispatcher`` group, its ``config_keys`` (none by default;
+        dispatcher=capacity's capacity_factor). Called once, right after construction."""
 
     def raise_if_overflowed(self) -> None:
         """Raise if a step dropped rows (a static-capacity dispatcher's overflow); never by default. The trainer
@@ -100,6 +131,10 @@ def register(name: str) -> Callable[[_Cls], _Cls]:
         if not issubclass(cls, Dispatcher):
             raise TypeError(f"@register({name!r}): {cls.__qualname__} must subclass parallelisms.dispatchers.base"
                             ".Dispatcher")
+        unknown = set(cls.config_keys) - {field.name for field in dataclasses.fields(DispatcherConfig)}
+        if unknown:
+            raise TypeError(f"@register({name!r}): config_keys {sorted(unknown)} are not keys of the dispatcher group "
+                            "(parallelisms/dispatchers/config.py: DispatcherConfig)")
         if name in DISPATCHERS:
             raise ValueError(f"two dispatchers registered as {name!r}: {DISPATCHERS[name].__module__}."
                              f"{DISPATCHERS[name].__qualname__} and {cls.__module__}.{cls.__qualname__}")
@@ -118,10 +153,12 @@ def dispatcher_class(name: str) -> type[Dispatcher]:
 
 
 def validate_dispatcher_config(cfg: DispatcherConfig) -> None:
-    """An unknown name fails before any process group, listing the registered dispatchers."""
-    dispatcher_class(cfg.name)
-    if not cfg.capacity_factor > 0:
-        raise ValueError(f"dispatcher.capacity_factor={cfg.capacity_factor} must be > 0 (rows per peer = "
-                         "ceil(capacity_factor * tokens * top_k / ep))")
-    if cfg.name != "capacity" and cfg.capacity_factor != DispatcherConfig.capacity_factor:
-        raise ValueError(f"dispatcher.capacity_factor applies to dispatcher=capacity only, not {cfg.name}")
+    """An unknown name fails before any process group, listing the registered dispatchers; so does a key of the
+    group set away from its default for a dispatcher that does not read it (``config_keys``), naming those that do,
+    and a value the dispatcher's own ``validate_config`` refuses."""
+    cls = dispatcher_class(cfg.name)
+    for field in dataclasses.fields(DispatcherConfig):
+        if field.name != "name" and field.name not in cls.config_keys and getattr(cfg, field.name) != field.default:
+            takers = [name for name, other in sorted(DISPATCHERS.items()) if field.name in other.config_keys]
+            raise ValueError(f"dispatcher.{field.name} applies to dispatcher={', '.join(takers)} only, not {cfg.name}")
+    cls.validate_config(cfg)

@@ -66,7 +66,10 @@ class _ToSlots(torch.autograd.Function):
 
 @register("capacity")
 class CapacityDispatcher(Dispatcher):
+    config_keys = ("capacity_factor",)
     drops_rows = True
+    uncounted_traffic = ("is its static buffer, ceil(dispatcher.capacity_factor x tokens x top_k / ep) rows per peer "
+                         "each way with the padding, not the tokens x top_k routed rows")
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         super().__init__(group, num_experts, device_type)
@@ -75,6 +78,12 @@ class CapacityDispatcher(Dispatcher):
         self._capacity = 0  # the C of the last call, for the message
         self._host = None  # its host copy, queued without waiting
         self._landed = None  # the event after that copy (None on the CPU, where the copy is done at once)
+
+    @classmethod
+    def validate_config(cls, cfg: DispatcherConfig) -> None:
+        if not cfg.capacity_factor > 0:
+            raise ValueError(f"dispatcher.capacity_factor={cfg.capacity_factor} must be > 0 (rows per peer = "
+                             "ceil(capacity_factor * tokens * top_k / ep))")
 
     def configure(self, cfg: DispatcherConfig) -> None:
         """Take ``dispatcher.capacity_factor`` from the config group."""

@@ -94,6 +94,8 @@ class _SlotRows(torch.autograd.Function):
 
 @register("dedup")
 class DedupDispatcher(Dispatcher):
+    uncounted_traffic = "depends on routing"  # one row per (token, rank holding any of its experts)
+
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         # torch_npu's permute / unpermute take a fixed K rows per token; the rows here have 1..K valid slots.
         if (device_type or group_device_type(group)) == "npu":

@@ -80,6 +80,8 @@ class _InFlight:
 
 @register("domino")
 class DominoDispatcher(Dispatcher):
+    chunks = 2
+
     def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         N = x_ND.shape[0]

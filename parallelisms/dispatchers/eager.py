@@ -21,6 +21,8 @@ from parallelisms.dispatchers.common import exchange_counts, expert_order
 
 @register("eager")
 class EagerDispatcher(Dispatcher):
+    extra_saved_rows = 1  # x_RD in arrival order, besides the expert-order copy the grouped GEMM reads
+
     def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
         order_M, send_counts_E = sort_by_expert(experts_NK, self.num_experts)

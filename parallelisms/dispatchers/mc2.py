@@ -63,6 +63,11 @@ def check_bytes(splits: Splits, row_bytes: int) -> None:
 
 @register("mc2")
 class Mc2Dispatcher(Dispatcher):
+    uncounted_traffic = ("moves inside MC2's grouped matmuls, overlapping them, not in the exposed all-to-alls the "
+                         "step time adds")
+    # npu_alltoallv_gmm / npu_gmm_alltoallv talk to the peers themselves, not through the ep process group.
+    unsimulated = "exchanges rows inside HCCL's fused grouped matmuls, which need real peers"
+
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         super().__init__(group, num_experts, device_type)
         if self.device_type != "npu":
