@@ -350,7 +350,8 @@ class Rates(NamedTuple):
 
 def step_metrics(step: int, result: StepResult, lr: float, rates: Rates, attended: float, tokens_total: int,
                  step_time: float, data_time: float, dev_type: str) -> dict[str, Any]:
-    """``attended``: FLOPs per token over the attention pairs the step's windows computed (docs/lab/benchmarks.md)."""
+    """``attended``: FLOPs per token over the attention pairs the step's windows computed
+    (``training.metrics.attended_flops_per_token``)."""
     tokens = rates.tokens_per_step
     per_device = tokens / step_time / rates.world_size
     return {

@@ -12,8 +12,8 @@ FLA = "flash-linear-attention"  # only the listed flash-linear-attention ops (``
 PLUGINS = (AUTO, FLA)
 FLA_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_silu")
 # What kernel_config.include_kernels lists unless told: the delta rule's two. The short convolution is ours
-# (kernels/linear_attention/triton_short_conv.py, an auto kernel) unless FLA's is listed: ours measured 14% faster than
-# FLA's on one sequence per row and 23% on packed documents on an H200 (docs/lab/benchmarks.md).
+# (kernels/linear_attention/triton_short_conv.py, an auto kernel) unless FLA's is listed: ours measured faster than
+# FLA's on an H200, on rows of one sequence and on packed documents (docs/results.md#kernels-alone, row 31).
 DEFAULT_FLA_OPS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 CHUNK_SIZES = (16, 32, 64)  # what FLA's chunked kernels support
 # Packed-document attention (kernels/attention/attention.py): auto = the registry's CUDA default; torch = the

@@ -222,11 +222,11 @@ def _needs_cudnn_ragged(env: Env) -> str | None:
 
 
 # In order of preference on CUDA: the first that can run is the default (kernel_config.attention=auto); each can be
-# named. varlen (torch's flash attention, FA2) measured ahead of FlexAttention end to end on an H200
-# (docs/lab/benchmarks.md, torch 2.11, 4-layer Qwen3-30B-A3B, tokens/s: 100,415 vs 98,265 on 4k chat windows, 124,047 vs
-# 122,659 on 32k windows of 2,048-token documents); flex where varlen cannot run (torch < 2.11). cuDNN's ragged SDPA
-# is opt-in until it is measured end to end: its kernels ran 1.2-1.6x faster than varlen's on the H200, but this
-# module's path has not yet trained on a GPU (docs/lab/benchmarks.md, tenth round). Rows that are one document each
+# named. varlen (torch's flash attention, FA2) measured ahead of FlexAttention end to end on an H200, on 4k chat
+# windows and on 32k windows of 2,048-token documents (docs/results.md#packed-documents-and-long-windows, rows 4 and
+# 7); flex where varlen cannot run (torch < 2.11). cuDNN's ragged SDPA is opt-in until it is measured end to end: its
+# kernels ran faster than varlen's on the H200 (docs/results.md#kernels-alone, row 33), but this module's path has
+# not yet trained on a GPU. Rows that are one document each
 # take SDPA's causal flash path in every implementation.
 _ATTENTION = {
     VARLEN_ATTN: Impl(VARLEN_ATTN, ("cuda",), lambda cfg: VarlenAttention(),

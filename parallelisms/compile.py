@@ -14,7 +14,7 @@ Compilation is lazy (the first forward), after the kernel registry has filled th
 
 On one rank (``LocalDispatcher``, no hooks on the experts) the MoE path reads nothing back to the host, and the MoE
 block compiles in one graph with the CUDA grouped GEMM (tests/test_compile.py); whole blocks, experts included, are
-not compiled: on one H200 this per-submodule compile measured no faster than eager (docs/lab/benchmarks.md), the eager
+not compiled: on one H200 this per-submodule compile measured no faster than eager (docs/results.md#compile), the eager
 path's elementwise work being Triton kernels already.
 """
 

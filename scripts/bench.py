@@ -16,10 +16,10 @@ tokens; ``lognormal:MEDIAN,SIGMA`` lengths drawn (``--seed``) from a log-normal 
 1 token; each ended by ``--vocab`` (Qwen's <|endoftext|>, never drawn as a random id) and read with
 ``data.eos_id`` so position ids restart per document; ``chitchat`` the Chit-Chat corpus through the data
 pipeline (real conversations, ChatML). Windows are cut from the stream, so a document may straddle two windows.
-"attended MFU" counts only the attention pairs computed (each document's causal half, docs/lab/benchmarks.md) and the
-LM head over trained labels only, so packed and causal rows compare fairly; tokens/s stays the headline. Free disk
-space of the output and Triton cache directories is printed at start and end (a full disk fails a checkpoint write
-with ``unexpected pos``).
+"attended MFU" counts only the attention pairs computed (each document's causal half:
+``training.metrics.attended_flops_per_token``) and the LM head over trained labels only, so packed and causal rows
+compare fairly; tokens/s stays the headline. Free disk space of the output and Triton cache directories is printed at
+start and end (a full disk fails a checkpoint write with ``unexpected pos``).
 
 Routing (``--routing``): ``learned`` (default) is the model's router, which on random weights may collapse onto a
 few experts as it trains, differently on random ids and on text, so two data sources' rows then differ by their

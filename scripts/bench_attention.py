@@ -9,10 +9,10 @@ q, k and v are laid out as the model hands them over ([B, T, heads, d] memory se
 projections and the rotary kernel write), so a kernel's layout copies are timed too. Documents (``--docs``):
 ``uniform:N`` lengths uniform in 1..N; ``fixed:N`` all N long; ``chitchat`` the first ``--windows`` batches of
 the Chit-Chat corpus as the trainer packs them (``data=chitchat``, the shape's tokenizer), which is what the
-packed benchmark rows of docs/lab/benchmarks.md train on. Times: device events, mean of 20 back-to-back runs after 3
-warm-ups (``core.device.time_ms``), averaged over the batches; "attended TFLOP/s" counts the document pairs
-computed (sum over documents of length^2, halved for causality), as docs/lab/benchmarks.md's attended MFU; "docs"
-is the per-batch cost of the implementation's ``documents`` (FlexAttention's BlockMask). ``--flex-options`` adds
+packed rows of docs/results.md#packed-documents-and-long-windows train on. Times: device events, mean of 20
+back-to-back runs after 3 warm-ups (``core.device.time_ms``), averaged over the batches; "attended TFLOP/s" counts
+the document pairs computed (sum over documents of length^2, halved for causality), as the trainer's attended MFU;
+"docs" is the per-batch cost of the implementation's ``documents`` (FlexAttention's BlockMask). ``--flex-options`` adds
 FlexAttention runs with those ``kernel_options`` (JSON, one object per run, e.g. ``'{"bwd_num_warps": 8}'``),
 ``--flex-autotune`` one compiled with ``mode="max-autotune-no-cudagraphs"`` (inductor prints its choices).
 ``--profile`` lists each implementation's kernels of one forward + backward.

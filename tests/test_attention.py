@@ -267,7 +267,8 @@ def _choose(cfg: KernelConfig, env: Env = HOPPER):
 
 def test_cuda_default_and_named_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     choose = _choose
-    assert choose(KernelConfig()).impl == CUDA_ATTENTION == "varlen_attn"  # measured faster (docs/lab/benchmarks.md)
+    # measured faster end to end: docs/results.md#packed-documents-and-long-windows
+    assert choose(KernelConfig()).impl == CUDA_ATTENTION == "varlen_attn"
     for name in ("cudnn_attention", "varlen_attn", "flex_attention", "torch"):
         assert choose(KernelConfig(attention=name)).impl == name
     assert choose(KernelConfig(), Env("cpu")).impl == "torch"

@@ -1,7 +1,10 @@
 """The docs cannot drift from the code: every Hydra override in a command of a fenced shell block of README.md,
 DEVELOPERS.md and docs/*.md composes against conf/ and passes train.py's checks that need no files, every relative
-link resolves (its ``#anchor`` to a heading), every key of the schema is in docs/configuration.md, and every figure
-the README's results sections quote is a figure of docs/results.md (the page of current measurements).
+link resolves (its ``#anchor`` to a heading) inside the repository, every ``docs/...`` path a doc or a source file
+cites exists (with its ``#anchor``), code cites docs/results.md and never the lab log, every page of docs/ is linked
+from README.md or DEVELOPERS.md, every script is in the README's repository layout, every key of the schema is in
+docs/configuration.md, and every figure the README's results sections quote is a figure of docs/results.md (the page
+of current measurements): a workload's current (bold) figure, once, or an anchor's.
 
 Which commands: a line (backslash continuations joined, ``&&`` / ``;`` / ``|`` / ``&`` splitting it) whose command
 word is ``python``/``python3``/``torchrun`` running ``train.py``, ``scripts/plan.py`` or ``scripts/bench.py``, or
@@ -37,7 +40,7 @@ from training.config import TrainConfig, register_schema, to_train_config, valid
 from training.planner import PlanConfig
 from training import startup
 
-DOC_FILES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/lab/ too
+DOC_FILES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").rglob("*.md"))]  # the lab log too
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console"}
 PYTHON_ENTRIES = ("train.py", "scripts/plan.py", "scripts/bench.py")
 PYTHON_COMMANDS = {"python", "python3", "torchrun"}
@@ -390,7 +393,9 @@ def broken_links(doc: Path, text: str | None = None) -> list[str]:
                 continue
             path, _, anchor = target.partition("#")
             file = (doc.parent / path).resolve() if path else doc
-            if not file.exists():
+            if not file.is_relative_to(REPO) and doc.resolve().is_relative_to(REPO):
+                errors.append(f"{_shown(doc)}:{number}: {target}: outside the repository, which a clone does not have")
+            elif not file.exists():
                 errors.append(f"{_shown(doc)}:{number}: {target}: no such file {file}")
             elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
                 errors.append(f"{_shown(doc)}:{number}: {target}: {file.name} has no heading #{anchor}")
@@ -411,6 +416,115 @@ def test_a_broken_link_is_reported(tmp_path: Path) -> None:
     errors = broken_links(doc)
     assert len(errors) == 2, errors
     assert "doc.md:3: missing.md" in errors[0] and "doc.md:4: other.md#nowhere" in errors[1]
+
+
+# --------------------------------------------------------------------------------------------------- paths
+
+# Every file whose comments, docstrings or messages may cite a doc: the project's Python files, but this one, which
+# spells out dead paths and lab-log citations to check that they are caught.
+SOURCE_FILES = sorted(f for f in [REPO / "train.py", *(f for folder in ("core", "kernels", "models", "parallelisms",
+                                                                         "training", "scripts", "tests")
+                                                       for f in (REPO / folder).rglob("*.py"))]
+                      if f != Path(__file__).resolve())
+# ``docs/<path>`` (from the repository root) and its ``#anchor``; the path ends in a word character, so a sentence's
+# full stop or a glob (``docs/*.md``) is not part of it.
+_DOCS_PATH = re.compile(r"(?<![\w/.-])(docs/[\w./-]*\w)(?:#([\w-]+))?")
+# A folder outside the clone that an earlier layout of the project kept its design notes and device scripts in.
+_OUTSIDE = re.compile(r"\.\./shared/")
+
+
+def unresolved_paths(file: Path, text: str | None = None) -> list[str]:
+    """``file:line: path: why`` for every ``docs/...`` path ``file`` cites that does not exist (or whose ``#anchor``
+    names no heading of it), and every citation of ``../shared/``, which a clone does not have."""
+    text = file.read_text() if text is None else text
+    errors = []
+    for number, line in enumerate(text.split("\n"), 1):
+        for match in _DOCS_PATH.finditer(line):
+            path, anchor = REPO / match.group(1), match.group(2)
+            if not path.exists():
+                errors.append(f"{_shown(file)}:{number}: {match.group(0)}: no such file or folder")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path.read_text()):
+                errors.append(f"{_shown(file)}:{number}: {match.group(0)}: {path.name} has no heading #{anchor}")
+        if _OUTSIDE.search(line):
+            errors.append(f"{_shown(file)}:{number}: cites ../shared/, outside the repository: put what it needs in "
+                          "the repository (docs/design.md) and cite that")
+    return errors
+
+
+def test_every_cited_docs_path_resolves() -> None:
+    errors = [e for f in [*DOC_FILES, *SOURCE_FILES] for e in unresolved_paths(f)]
+    assert not errors, "\n".join(errors)
+
+
+# The lab log: dated rounds as they were written, whose figures may be superseded. Code cites docs/results.md.
+_LAB_LOG = re.compile(r"docs/lab\b|benchmarks\.md|\blab log\b")
+
+
+def code_citing_the_lab_log(files: list[Path]) -> list[str]:
+    return [f"{_shown(f)}:{number}: {line.strip()}" for f in files
+            for number, line in enumerate(f.read_text().split("\n"), 1) if _LAB_LOG.search(line)]
+
+
+def test_code_cites_the_results_page_not_the_lab_log() -> None:
+    found = code_citing_the_lab_log(SOURCE_FILES)
+    assert not found, ("these cite the lab log; cite the docs/results.md row instead (docs/results.md#<section>, and "
+                       "the row), adding the row if it is missing:\n" + "\n".join(found))
+
+
+def test_a_dead_path_and_a_lab_log_citation_are_reported(tmp_path: Path) -> None:
+    source = tmp_path / "x.py"
+    source.write_text("# measured: docs/results.md#compile.\n# docs/nowhere.md, docs/results.md#nowhere\n"
+                      "# docs/*.md, ../docs/x.md\n# see ../shared/design/notes.md\n"
+                      "# the docs/lab/benchmarks.md round\n")
+    errors = unresolved_paths(source)
+    assert len(errors) == 3, errors
+    assert "x.py:2: docs/nowhere.md: no such file" in errors[0] and "has no heading #nowhere" in errors[1]
+    assert "x.py:4: cites ../shared/" in errors[2]
+    assert code_citing_the_lab_log([source]) == ["x.py:5: # the docs/lab/benchmarks.md round"]
+
+
+# --------------------------------------------------------------------------------------------------- pages
+
+def unlinked_pages(readme: str, developers: str, pages: list[Path]) -> list[str]:
+    """The pages of docs/ that neither README.md nor DEVELOPERS.md links (a page no one can find from the top)."""
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+)", readme + developers))
+    return [str(page.relative_to(REPO)) for page in pages if str(page.relative_to(REPO)) not in linked]
+
+
+def test_every_doc_page_is_linked_from_the_readme_or_developers() -> None:
+    pages = sorted((REPO / "docs").rglob("*.md"))
+    readme, developers = (REPO / "README.md").read_text(), (REPO / "DEVELOPERS.md").read_text()
+    assert len(pages) >= 15
+    orphans = unlinked_pages(readme, developers, pages)
+    assert not orphans, f"pages linked from neither README.md nor DEVELOPERS.md: {orphans}"
+    assert unlinked_pages(readme.replace("](docs/design.md)", "]()"), developers.replace("](docs/design.md)", "]()"),
+                          pages) == ["docs/design.md"]
+
+
+def raw_section(text: str, heading: str) -> str:
+    """The lines after ``heading`` up to the next heading of its level or above, fenced blocks included."""
+    level = len(heading) - len(heading.lstrip("#"))
+    body = text.split(heading + "\n", 1)[1]
+    end = re.search(rf"^#{{1,{level}}}\s", body, re.M)
+    return body[:end.start()] if end else body
+
+
+README_LAYOUT = "## Repository layout"
+
+
+def scripts_missing_from(layout: str, root: Path) -> list[str]:
+    """Every scripts/*.py and scripts/slurm/* file that the README's repository layout does not name."""
+    scripts = [*sorted((root / "scripts").glob("*.py")), *sorted(p for p in (root / "scripts" / "slurm").iterdir()
+                                                              if p.is_file())]
+    return [str(p.relative_to(root)) for p in scripts if not re.search(rf"(?<![\w.-]){re.escape(p.name)}\b", layout)]
+
+
+def test_every_script_is_in_the_readme_layout() -> None:
+    layout = raw_section((REPO / "README.md").read_text(), README_LAYOUT)
+    missing = scripts_missing_from(layout, REPO)
+    assert not missing, f"README.md, '{README_LAYOUT}' does not list {missing}: add a line for each"
+    assert scripts_missing_from(layout.replace("plot_routing.py", "plot.py"), REPO) == ["scripts/plot_routing.py"]
+    assert "scripts/slurm/launch.sh" in scripts_missing_from(layout.replace("launch.sh", "start.sh"), REPO)
 
 
 # --------------------------------------------------------------------------------------------------- keys
@@ -479,6 +593,73 @@ def unquoted_figures(readme: str, results: str) -> list[str]:
     return errors
 
 
+# A measurement with a thousands separator (tokens/s). Those that are settings, not measurements, are exempt: powers
+# of two (sequence lengths, 4,096) and the figures of docs/results.md's introduction (the vocabularies).
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
+_ANCHOR_SYSTEMS = re.compile(r"torchtitan|transformers", re.I)
+
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in _outside_fences(text) if line.startswith("|") and not re.fullmatch(r"[|\s:-]+", line)]
+
+
+def current_and_anchor_figures(results: str) -> tuple[list[set[str]], set[str], set[str]]:
+    """Of docs/results.md: per table row, its current figures (those in bold on their own: ``**113,400**``); all of
+    them; and the anchors' (the figures of a clause, between ``.``/``;`` and the next, that names torchtitan or
+    transformers)."""
+    current = [set(re.findall(r"\*\*(\d{1,3}(?:,\d{3})+)\*\*", row)) for row in _table_rows(results)]
+    anchors_ = {figure for row in _table_rows(results) for cell in row.split("|")
+                for clause in re.split(r"[.;]\s+", cell) if _ANCHOR_SYSTEMS.search(clause)
+                for figure in _THOUSANDS.findall(clause)}
+    return current, set().union(*current), anchors_
+
+
+def superseded_figures(readme: str, results: str) -> list[str]:
+    """``README.md, <section>: why`` for every measurement of the README's results sections that is neither a
+    workload's current figure in docs/results.md nor an anchor's (an older run, another draw, a same-call baseline:
+    a second figure for a workload the README already quotes), and every results.md row two of whose current
+    figures the README quotes."""
+    current_by_row, current, anchor_figures = current_and_anchor_figures(results)
+    intro = results.split("\n## ", 1)[0]
+    settings = set(_THOUSANDS.findall(intro))
+    errors = []
+    for title, body in sections(readme, README_RESULTS_SECTIONS).items():
+        quoted = {f for f in figures(body) if _THOUSANDS.fullmatch(f)}
+        for figure in sorted(quoted - current - anchor_figures - settings):
+            value = int(figure.replace(",", ""))
+            if value & (value - 1):  # not a power of two
+                errors.append(f"README.md, '{title}': {figure} is not a current figure of docs/results.md (one in "
+                              f"bold) nor an anchor's: quote the current figure of its workload, once")
+        errors += [f"README.md, '{title}': {' and '.join(sorted(row & quoted))} are one row of docs/results.md: "
+                   f"quote one figure per workload" for row in current_by_row if len(row & quoted) > 1]
+    return errors
+
+
+def test_the_readme_quotes_each_workload_once_with_its_current_figure() -> None:
+    readme, results = (REPO / "README.md").read_text(), RESULTS.read_text()
+    errors = superseded_figures(readme, results)
+    assert not errors, "\n".join(errors)
+    current_by_row, current, anchor_figures = current_and_anchor_figures(results)
+    assert len(current) >= 40 and {"61,900", "19,355", "42,300", "67,120"} <= anchor_figures - current
+
+
+def test_a_second_figure_for_a_workload_is_reported() -> None:
+    readme, results = (REPO / "README.md").read_text(), RESULTS.read_text()
+    one_gpu = "One GPU: what is fast and what fits"
+    # the 4-layer step of 2026-11-30 beside today's: an older run of the same workload
+    older = readme.replace("| 113,400 (52.9) |", "| 113,400 (52.9; 86,748 on 2026-11-30) |")
+    assert superseded_figures(older, results) == [
+        f"README.md, '{one_gpu}': 86,748 is not a current figure of docs/results.md (one in bold) nor an anchor's: "
+        "quote the current figure of its workload, once"]
+    # a draw measured beside the row (fp32 moments in the bf16-moments call) and the eager step of the compile call
+    assert superseded_figures(readme.replace("(AdamW moments in bf16)", "(116,921 with fp32 moments)"), results)
+    assert superseded_figures(readme.replace("8 layers, 4 x 4,096", "8 layers (eager 4 layers: 102,034)"), results)
+    # two current figures of one row: Qwen3.5's eager and fused at ep2
+    assert superseded_figures(readme.replace("18,463 tokens/s/GPU here", "18,463 / 18,406 tokens/s/GPU here"),
+                              results.replace("**18,463** / 18,406", "**18,463** / **18,406**"))[-1].endswith(
+        "18,406 and 18,463 are one row of docs/results.md: quote one figure per workload")
+
+
 def test_the_readme_quotes_only_figures_of_the_results_page() -> None:
     readme = (REPO / "README.md").read_text()
     assert not unquoted_figures(readme, RESULTS.read_text()), "\n".join(unquoted_figures(readme, RESULTS.read_text()))
@@ -497,8 +678,8 @@ def test_a_readme_figure_edited_alone_is_reported() -> None:
         "or quote a figure that is)"]
     assert unquoted_figures(readme.replace("52.9", "52.8"), results)  # a peak GiB
     assert unquoted_figures(readme.replace("2026-12-06", "2026-12-07"), results)  # a date
-    # A figure only in a longer one of the page does not count: 16,921 is not 116,921.
-    assert unquoted_figures(readme, results.replace("116,921", "1,116,921"))
+    # A figure only in a longer one of the page does not count: 70,501 is not 170,501.
+    assert unquoted_figures(readme, results.replace("70,501", "170,501"))
     assert any("no section 'Why: the numbers'" in e
                for e in unquoted_figures(readme.replace("## Why: the numbers", "## Why"), results))
     assert any("names no card" in e for e in unquoted_figures(re.sub(r"\bH[12]00\b", "GPU", readme), results))

@@ -5,8 +5,8 @@ from host data, which is a blocking copy) stalls the host until the device catch
 while the host launches the next kernels. ``torch.cuda.set_sync_debug_mode`` finds them on CUDA only; on CPU this
 test records every op of one train step that would sync on a device (a dispatch mode, which also sees autograd's
 backward and the optimizer) plus every ``Tensor.tolist``, attributes each to the innermost frame of this repository
-(or of torch.optim), and compares the result with the list that stays (docs/lab/benchmarks.md, "Host syncs in the
-step"). A new ``.item()`` anywhere in the step fails it.
+(or of torch.optim), and compares the result with the list that stays (``EXPECTED`` below, each entry with why it
+stays). A new ``.item()`` anywhere in the step fails it.
 
 The grouped GEMM runs ``torch._grouped_mm`` (the registry's CUDA choice, which also runs on CPU); its CPU reference,
 the per-expert loop, reads the group sizes on the host by design.

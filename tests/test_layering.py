@@ -1,14 +1,18 @@
 """Imports only go down the layers (DEVELOPERS.md): a parse of every project file's imports, lazy ones inside
 functions included, so an upward import fails here before it becomes a cycle.
 
-Layers, bottom first; a file may import its own layer and those below it:
+Layers, bottom first (``LAYERS``); a file may import its own layer and those below it:
     core          device module, shared constants, atomic writes (imports nothing of the project)
     data          training/data/: tokenizers, documents, shards, the cache, packing, the loader (may use core)
-    kernels       device kernels, each beside its torch reference, in subpackages by what they serve (may use core)
+    kernels       device kernels, each beside its torch reference, in subpackages by what they serve (may use data
+                  and core; none uses data)
     models        pure PyTorch; kernel slots hold the kernels' torch references
     parallelisms  meshes and everything that shards
-    training      config schema, data, loss, optimizer, metrics, checkpoints
+    training      config schema, loss, optimizer, metrics, checkpoints, the planner, launch
     train.py, scripts/
+
+DEVELOPERS.md's layer diagram and README.md's repository layout list the same layers top first; a test below parses
+both and checks that they keep this order.
 """
 
 from __future__ import annotations
@@ -21,6 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("core", "data", "kernels", "models", "parallelisms", "training", "train")  # bottom first
 TOP_LEVEL = {"core": "core", "kernels": "kernels", "models": "models", "parallelisms": "parallelisms",
              "training": "training", "train": "train", "scripts": "train"}  # top-level name -> layer
+
+
+# The layer each line of a documented layer list names by its first word (DEVELOPERS.md's diagram, README.md's
+# repository layout); a line starting with anything else (conf/, tests/, an indented file or continuation) names none.
+DOCUMENTED_FOLDERS = {"train.py": "train", "scripts/": "train", "training/": "training",
+                      "parallelisms/": "parallelisms", "models/": "models", "kernels/": "kernels",
+                      "training/data/": "data", "core/": "core"}
+DOCUMENTED_LISTS = (("DEVELOPERS.md", "## Layers: imports only go down"), ("README.md", "## Repository layout"))
 
 
 def layer_of(module: str) -> str | None:
@@ -207,3 +219,32 @@ def test_an_import_cycle_is_caught(tmp_path: Path) -> None:
     (tmp_path / "parallelisms" / "dispatchers" / "config.py").write_text(
         "from parallelisms.dispatchers.base import dispatcher_class\n")
     assert import_cycles(tmp_path) == [["parallelisms.dispatchers.base", "parallelisms.dispatchers.config"]]
+
+
+def documented_order(text: str, heading: str) -> list[str]:
+    """The layers, top first, in the order the first fenced block after ``heading`` lists them: the layer of each
+    line's first word (``DOCUMENTED_FOLDERS``), a layer named on consecutive lines counted once."""
+    assert heading in text, f"no heading {heading!r}"
+    block = text.split(heading, 1)[1].split("```", 2)[1]  # the fence's language, then the block's lines
+    order: list[str] = []
+    for line in block.splitlines()[1:]:
+        layer = DOCUMENTED_FOLDERS.get(line.split()[0].rstrip(",")) if line[:1].strip() else None
+        if layer is not None and order[-1:] != [layer]:
+            order.append(layer)
+    return order
+
+
+def test_the_docs_list_the_layers_in_their_order() -> None:
+    for doc, heading in DOCUMENTED_LISTS:
+        order = documented_order((ROOT / doc).read_text(), heading)
+        assert order == list(reversed(LAYERS)), (
+            f"{doc}, '{heading}' lists the layers {order}, top first; tests/test_layering.py's LAYERS, the imports "
+            f"allowed, is {list(reversed(LAYERS))}: list them in that order")
+
+
+def test_a_documented_list_out_of_order_is_caught() -> None:
+    text = ("## Layers\n\n```\ntrain.py, scripts/   the loop\ntraining/   config\n    continued\n"
+            "parallelisms/ x\nmodels/ x\ntraining/data/ x\nkernels/ x\ncore/ x\nconf/ Hydra\n```\n")
+    assert documented_order(text, "## Layers") == ["train", "training", "parallelisms", "models", "data", "kernels",
+                                                   "core"]
+    assert documented_order(text, "## Layers") != list(reversed(LAYERS))

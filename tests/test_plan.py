@@ -5,7 +5,7 @@ functional ops: FSDP2's all-gathers and reduce-scatters, the EP and CP all-to-al
 each call's input summed over ranks, must equal the plan exactly: integers, per (kind, mesh). The scalar
 all-reduces of the loss, the gradient norm and the stop signal are not planned and not compared.
 
-Memory: the plan's peak against the H200 peaks recorded in docs/lab/benchmarks.md, within 10%.
+Memory: the plan's peak against the H200 peaks of docs/results.md, within 10%.
 """
 
 from __future__ import annotations
@@ -128,9 +128,10 @@ def test_planned_collective_bytes_equal_the_counted_ones(counted, case):
     assert got == dict(want), result["groups"]
 
 
-# Peak memory measured on 2 x H200 (torch 2.11, bf16 compute, fp32 master weights, AdamW and reduction), copied
-# from docs/lab/benchmarks.md: (label, train.py overrides, GiB). The ep2 and cp2 runs predate the experts' compute
-# copies over a one-rank expert mesh, which the plan counts (+8% on the ep2 fused rows; docs/scaling.md). Measured with
+# Peak memory measured on 2 x H200 (torch 2.11, bf16 compute, fp32 master weights, AdamW and reduction), copied from
+# docs/results.md#two-gpus-layouts and docs/results.md#dispatchers: (label, train.py overrides, GiB). The ep2 and cp2
+# runs predate the experts' compute copies over a one-rank expert mesh, which the plan counts (+8% on the ep2 fused
+# rows; docs/scaling.md). Measured with
 #   python scripts/bench.py --model qwen3_moe_30b_a3b --layers L --nproc 2 --layouts ep2|fsdp2 --dispatchers D \
 #       --steps 20 --warmup 5 optim.lr=3e-4                                    (seq 4096, local batch 4)
 #   torchrun --standalone --nproc_per_node 2 train.py model=qwen3_moe_30b_a3b model.arch.num_hidden_layers=4 \

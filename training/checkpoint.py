@@ -341,7 +341,7 @@ def save_sizes(model: nn.Module, moment_dtype: torch.dtype) -> tuple[int, int]:
 def space_warnings(needs: dict[Path, int]) -> list[str]:
     """One line per file system that has less free space than ``needs`` (path -> bytes to be written under it)
     add up to there: a run that would train for hours and then fail at its save (a checkpoint of a 4-layer
-    Qwen3.5 takes 49 GiB, the GPU machine has 64: docs/lab/benchmarks.md)."""
+    Qwen3.5 takes 49 GiB: docs/reliability.md, the row of a disk too small)."""
     totals: dict[int, list] = {}  # file system -> [a folder on it, bytes]
     for path, size in needs.items():
         where = nearest_existing(path)

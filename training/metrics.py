@@ -192,12 +192,13 @@ ROUTING_EXTRA = 3  # the columns of routing_summary after the 2E per-expert ones
 
 def attended_flops_per_token(args: Any, packed: KnownDocuments | bool, shape_BT: tuple[int, int],
                              trained_fraction: float = 1.0) -> float:
-    """Training FLOPs per token of the attention pairs and LM-head rows actually computed (docs/lab/benchmarks.md,
-    "Attended FLOPs"): the model's ``flops_per_token`` with its attention term (linear in the sequence length:
-    ``flops_per_token(1) - flops_per_token(0)`` per attended pair) counted over each document's causal half, sum
-    n^2 / 2 over the documents the model is told of (``packed``, as ``models.layers.known_documents`` gives it;
-    False: each of the B rows of ``shape_BT`` is one document), and its LM-head term (6 x hidden x vocab, where
-    untied) over the ``trained_fraction`` of the labels (the rows ``models.causal_lm.trained_rows`` keeps)."""
+    """Training FLOPs per token of the attention pairs and LM-head rows actually computed (the "attended MFU" of
+    docs/results.md#packed-documents-and-long-windows): the model's ``flops_per_token`` with its attention term
+    (linear in the sequence length: ``flops_per_token(1) - flops_per_token(0)`` per attended pair) counted over each
+    document's causal half, sum n^2 / 2 over the documents the model is told of (``packed``, as
+    ``models.layers.known_documents`` gives it; False: each of the B rows of ``shape_BT`` is one document), and its
+    LM-head term (6 x hidden x vocab, where untied) over the ``trained_fraction`` of the labels (the rows
+    ``models.causal_lm.trained_rows`` keeps)."""
     base = args.flops_per_token(0)
     per_pair = args.flops_per_token(1) - base
     rows, seq_len = shape_BT

@@ -36,9 +36,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
 def adamw_kind(cfg: OptimConfig, device_type: str) -> str:
     """Which AdamW: ``project`` (``AdamW`` below: bf16 moments, and fp32 ones on CUDA unless ``optim.fused`` is
-    set, where one Triton pass per parameter also applies the clip: no pass over the gradients, measured in
-    docs/lab/benchmarks.md), ``torch_fused`` (``optim.fused=true``) or ``torch_foreach`` (``optim.fused=false``, and
-    elsewhere by default: the reference's several passes are slower than foreach's on a CPU)."""
+    set, where one Triton pass per parameter also applies the clip: no pass over the gradients; measured faster
+    than torch's fused AdamW, docs/results.md#one-gpu-qwen3-30b-a3b-shapes, its row), ``torch_fused``
+    (``optim.fused=true``) or ``torch_foreach`` (``optim.fused=false``, and elsewhere by default: the reference's
+    several passes are slower than foreach's on a CPU)."""
     if cfg.state_dtype == "bfloat16" or (cfg.fused is None and device_type == "cuda"):
         return "project"
     return "torch_fused" if cfg.fused else "torch_foreach"

@@ -39,10 +39,12 @@ class PlanConfig:
     gpus_per_node: int = 8
     nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
     internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
-    # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (docs/lab/benchmarks.md: 350
-    # TFLOP/s as counted there) without its optimizer time, and with the masked half of attention not counted.
+    # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (350 TFLOP/s as MFU counts them:
+    # docs/results.md#other-measured-costs) without its optimizer time, and with the masked half of attention not
+    # counted.
     tflops: float = 350.0
-    hbm_gb_s: float = 4260.0  # device memory copy rate (the optimizer's time): measured on the H200 (BRIEF)
+    # Device memory copy rate (the optimizer's time), measured on an H200: docs/results.md#other-measured-costs.
+    hbm_gb_s: float = 4260.0
     capacity_gib: float = 80.0  # per GPU: what "fits" means
     sweep: bool = False  # scripts/plan.py: try every candidate layout (candidate_layouts) instead of the configured one
 
@@ -504,7 +506,8 @@ def sweep(cfg: TrainConfig, machine: PlanConfig) -> list[tuple[TrainConfig, Plan
 
 
 # The share of a device's memory a run's allocated peak can reach: the rest goes to the CUDA context and the caching
-# allocator's fragmentation (Qwen3.5-35B-A3B shapes, 4 layers: 74.5 GiB allocated ran out of memory on an 80 GB H100).
+# allocator's fragmentation (Qwen3.5-35B-A3B shapes, 4 layers: 74.5 GiB allocated ran out of memory on an 80 GB H100:
+# docs/results.md#one-h100).
 FIT_SHARE = 0.9
 
 

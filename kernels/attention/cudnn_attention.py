@@ -5,7 +5,7 @@ The packed batch is the flattened [B*T, heads, d] tokens the projections wrote, 
 sequences: each tensor's ragged offsets (document starts x heads x d) say where a document begins, ``seq_len`` how
 long it is, and the kernel's causal band is bounded by each document, so nothing is padded or masked per pair and
 nothing is copied where the tensors are in the projections' own layout. GQA is cuDNN's own (h key/value heads for
-H query heads). On an H200 (torch 2.11, cuDNN 9.19, docs/lab/benchmarks.md, tenth round) these graphs ran fwd + bwd
+H query heads). On an H200 (torch 2.11, cuDNN 9.19; docs/results.md#kernels-alone, row 33) these graphs ran fwd + bwd
 at 1.2-1.6x the speed of torch's varlen flash (FA2) on 4k windows of short documents and on 32k windows of
 2,048-token ones, head dims 128 and 256; this module's path has not yet trained on a GPU, so the registry takes it
 only where named (``kernel_config.attention=cudnn_attention``).

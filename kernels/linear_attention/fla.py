@@ -80,7 +80,7 @@ def host_chunk_indices(cu_seqlens_cpu: torch.Tensor, chunk_size: int, dev: torch
 DOCUMENT_RESET_G = -128.0
 # The reset launch runs each row as one sequence: FLA's state pass is sequential over a row's chunks and parallel
 # over rows x value heads, so it pays only with enough rows to fill the GPU (measured on an H200, Qwen3.5's 32
-# value heads: docs/lab/benchmarks.md); fewer rows take FLA's variable-length launch.
+# value heads: docs/results.md#kernels-alone, row 32); fewer rows take FLA's variable-length launch.
 RESET_MIN_ROWS = 2
 
 

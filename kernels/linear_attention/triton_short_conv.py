@@ -21,7 +21,8 @@ from kernels.attention.attention import Documents
 Tensor = torch.Tensor
 
 # Tiles (tokens, channels, warps), fixed rather than autotuned: no tuning pass at the first call, the same launch
-# on every run. The fastest of those timed on an H200 by scripts/bench_deltanet.py --conv-tiles (docs/lab/benchmarks.md).
+# on every run. The fastest of those timed on an H200 by scripts/bench_deltanet.py --conv-tiles
+# (docs/results.md#kernels-alone, row 31).
 FWD_TILE = (32, 128, 4)
 BWD_TILE = (64, 64, 4)  # the weight gradient keeps one partial sum per tile of tokens
 
