@@ -27,12 +27,11 @@ from core import device
 from kernels.registry import apply_kernels, select_kernels
 from models.hf_io import check_hf_into_model, export_hf, load_hf_into_model
 from parallelisms.float8 import apply_float8
-from training.batch import Batch, prepare_batches
+from training.batch import Batch, prepare_batches, validation_shard
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_model_weights
 from training.config import TrainConfig, register_schema, to_train_config
 from training.data.hf_tokenizer import hf_tokenizer_files
 from training.data.loader import build_data_loader
-from training.data.packing import context_shard
 from training.evaluate import validation_loss
 from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun, sweep_job_name
 from training.loss import IGNORE_INDEX, router_loss_shares
@@ -65,7 +64,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     model, param_counts, kernels = build_model(plan, dims, dev)
     optimizer = build_optimizer(model, cfg.optim)
     update = build_update(optimizer, model, cfg.optim.grad_clip)  # queued before the step's read, or after it
-    loader, val_batches = build_data(cfg, dims, plan.tokenizer, plan.model_args.vocab_size)
+    loader, val_batches = build_data(cfg, dims, plan.tokenizer, plan.model_args, dev)
     start = plan.start
     if start.checkpoint is not None:  # a resume: the model and optimizer first, then what the train state holds
         load_checkpoint(start.checkpoint, model, optimizer, start.state.get("files"))
@@ -194,6 +193,8 @@ def build_model(plan: RunPlan, dims: parallelisms.ParallelDims, dev: torch.devic
     init_from = cfg.model.init_from if plan.start.checkpoint is None else None
     with torch.device("meta"):
         model = spec.model_cls(plan.model_args)
+    if cfg.model.freeze_vision:  # before the plan: FSDP reduces no gradient, the optimizer keeps no state for it
+        spec.vision_tower(model).requires_grad_(False)
     param_counts = spec.parameter_counts(model)
     if cfg.train.float8 != "none":  # on meta, before parallelize: AC, EP and FSDP wrap the FP8 modules as any others
         apply_float8(model, spec, cfg.train.float8, dev_type, ep=dims.ep, compiled=cfg.train.compile,
@@ -221,12 +222,15 @@ def build_model(plan: RunPlan, dims: parallelisms.ParallelDims, dev: torch.devic
     return model, param_counts, kernels
 
 
-def build_data(cfg: TrainConfig, dims: parallelisms.ParallelDims, tokenizer: str | None, vocab_size: int):
-    """The training loader and the held-out batches (cp-sharded once: every eval step reads the same ones)."""
+def build_data(cfg: TrainConfig, dims: parallelisms.ParallelDims, tokenizer: str | None, model_args: Any,
+               dev: torch.device):
+    """The training loader and the held-out batches (cp-sharded once, their images prepared once: every eval step
+    reads the same ones)."""
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
-                               dp_rank=dims.dp_rank, dp_size=dims.dp, tokenizer=tokenizer, model_vocab_size=vocab_size)
-    val_batches = ([context_shard(b, dims.cp_rank, dims.cp) for b in loader.validation.batches(cfg.train.eval_batches)]
-                   if cfg.train.eval_every else [])
+                               dp_rank=dims.dp_rank, dp_size=dims.dp, tokenizer=tokenizer,
+                               model_vocab_size=model_args.vocab_size)
+    val_batches = ([validation_shard(b, model_args, dims.cp_rank, dims.cp, dev)
+                    for b in loader.validation.batches(cfg.train.eval_batches)] if cfg.train.eval_every else [])
     return loader, val_batches
 
 
@@ -290,8 +294,8 @@ def queue_step(model: torch.nn.Module, batches: list[Batch], update: Update, cfg
     summarise = routing or args.router_bias_update_rate > 0  # the summary's readers: the logs, the bias update
     for batch in batches:
         with autocast:
-            out = model(batch.input_ids, batch.position_ids, batch.labels, packed=batch.packed,
-                        trained_rows=batch.trained_rows, mtp=batch.mtp if mtp_weight else None)
+            out = model(batch.input_ids, batch.position_ids, batch.labels,
+                        **{**batch.forward_kwargs(), "mtp": batch.mtp if mtp_weight else None})
         ce = out.loss_sum / num_tokens
         mtp = out.mtp_loss_sum / num_mtp_tokens if mtp_weight else torch.zeros_like(ce)
         aux, z = (share / len(batches) for share in router_loss_shares(out.router_stats, args.num_experts,

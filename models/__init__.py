@@ -37,7 +37,11 @@ class ModelSpec:
     # Module with the family's config.json translation and on-disk expert names (see models/hf_io.py).
     hf_names: str = "models.{model_type}.hf_names"
     hf_export_type: str | None = None  # export as this registered model_type instead (e.g. multimodal -> text)
-
+    # A vision tower, where the model has one (built only where it trains: ``with_vision``): the module, and the
+    # ModuleList of its blocks. The plan makes each block an FSDP unit (activation checkpointing too) and the rest of
+    # the tower (patch embedding, positions, merger) one more; no EP, no CP (every cp rank runs the whole tower).
+    vision: str | None = None
+    vision_blocks: str | None = None
 
     def named_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """(FQN, block) of every decoder block the parallel plan treats alike (FSDP unit, EP and expert FSDP on its
@@ -50,6 +54,16 @@ class ModelSpec:
         if not (self.mtp_blocks and _has(model, self.mtp_blocks)):
             return None
         return model.get_submodule(self.mtp_blocks.rpartition(".")[0]) if "." in self.mtp_blocks else model
+
+    def vision_tower(self, model: nn.Module) -> nn.Module | None:
+        """The vision tower, where the model has one."""
+        return model.get_submodule(self.vision) if self.vision and _has(model, self.vision) else None
+
+    def named_vision_blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """(FQN, block) of the vision tower's blocks, where the model has a tower."""
+        if self.vision_tower(model) is None or not self.vision_blocks:
+            return []
+        return [(f"{self.vision_blocks}.{i}", block) for i, block in enumerate(model.get_submodule(self.vision_blocks))]
 
     def parameter_counts(self, model: nn.Module) -> tuple[int, int]:
         """(total, active per token) parameters of a built (possibly meta) model: of the routed experts' weights a
@@ -87,6 +101,21 @@ def get_spec(model_type: str) -> ModelSpec:
     return _REGISTRY[model_type]
 
 
+def with_vision(args: Any, vision: bool) -> Any:
+    """The hyper-parameters a run builds (``model.vision``): the vision tower's (``vision_config``) kept where it
+    trains, dropped where not (text data: the text model alone, its tower carried to the export untouched)."""
+    has = getattr(args, "vision_config", None) is not None
+    if vision and not has:
+        raise ValueError("model.vision=true trains the vision tower, and model.arch.vision_config is unset: use a "
+                         "preset with one (model=qwen35_moe, qwen35_moe_debug) or model=hf with a multimodal "
+                         "checkpoint (config.json's vision_config)" if hasattr(args, "vision_config") else
+                         f"model.vision=true: {type(args).__name__} models have no vision tower")
+    if vision:
+        args.validate_vision()
+        return args
+    return dataclasses.replace(args, vision_config=None) if has else args
+
+
 def build_args(model_type: str, arch: dict[str, Any]):
     """Hyper-parameter dataclass of the family from a dict, rejecting keys the family does not have."""
     args_cls = get_spec(model_type).args_cls
@@ -100,13 +129,16 @@ def build_args(model_type: str, arch: dict[str, Any]):
 
 
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))
-# Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model; the
-# vision tower matches no prefix: not trained, carried to the export). Without a source both export as the text model.
+# Qwen3.5-MoE: the text model's checkpoints, and the published multimodal ones (text under language_model, the
+# vision tower under model.visual: loaded and trained where model.vision=true, else not built and carried to the
+# export). Without a source a model without a tower exports as the text model, one with a tower as the multimodal one.
 # The MTP head (mtp.*, trained where model.arch.mtp_loss_weight > 0) has the same names in both.
 _QWEN3_5_CP_HEADS = (("num_attention_heads", "num_key_value_heads"), ("linear_num_value_heads", "linear_num_key_heads"))
-_QWEN3_5 = dict(cp_heads=_QWEN3_5_CP_HEADS, hf_names="models.qwen3_5_moe.hf_names", mtp_blocks="mtp.layers")
+_QWEN3_5 = dict(cp_heads=_QWEN3_5_CP_HEADS, hf_names="models.qwen3_5_moe.hf_names", mtp_blocks="mtp.layers",
+                vision="visual", vision_blocks="visual.blocks")
 register(ModelSpec("qwen3_5_moe_text", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
                    hf_prefixes=(("model.", "model."), ("lm_head.", "lm_head."), ("mtp.", "mtp.")), **_QWEN3_5))
-register(ModelSpec("qwen3_5_moe", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForCausalLM",
-                   hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head."), ("mtp.", "mtp.")),
+register(ModelSpec("qwen3_5_moe", Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM, "Qwen3_5MoeForConditionalGeneration",
+                   hf_prefixes=(("model.language_model.", "model."), ("lm_head.", "lm_head."), ("mtp.", "mtp."),
+                                ("model.visual.", "visual.")),
                    hf_export_type="qwen3_5_moe_text", **_QWEN3_5))

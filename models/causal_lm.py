@@ -5,7 +5,7 @@ any parameter the init loop does not know."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, NamedTuple
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -14,7 +14,7 @@ from core.constants import IGNORE_INDEX
 from core.device import queued_copy
 from kernels.loss.linear_cross_entropy import SoftmaxCrossEntropy, linear_cross_entropy_sum, softmax_cross_entropy_
 from models.init import ShardedInit, constant, normal
-from models.layers import DenseMaskAttention, Documents, KnownDocuments, RMSNorm, document_ids
+from models.layers import DenseMaskAttention, Documents, KnownDocuments, RMSNorm, document_ids, text_positions
 from models.moe import GroupedExperts, RouterStats, TopKRouter
 from models.sequence_ops import Passed, SequenceOp, WholeSequence
 
@@ -47,9 +47,11 @@ def mtp_batch(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, position_ids:
     so that the shift by one crosses the cp shards as it does one process's rows). At t: token t+1 (input_ids at
     t+1) and its label, token t+2 (labels at t+1). Ignored (-100): the last position (no token t+2 in the window),
     labels ignored for the main loss at t+1, and pairs that cross a document end of packed rows (token t+1 or t+2
-    starts a document, from position ids [B, T] as ``document_ids`` reads them; [3, B, T] ones: one document)."""
+    starts a document, from position ids [B, T] or the text row of multimodal [4, B, T] ones, as ``document_ids``
+    reads them; [3, B, T] ones: one document)."""
     mtp_labels_BT = labels_BT.roll(-1, dims=1)
     mtp_labels_BT[:, -1] = IGNORE_INDEX
+    position_ids = text_positions(position_ids)
     if position_ids.dim() == 2:
         starts_BT = torch.zeros_like(labels_BT, dtype=torch.bool)  # t > 0 starts a document
         starts_BT[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
@@ -144,12 +146,16 @@ class MoeDecoder(nn.Module):
         raise NotImplementedError
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor,
-                packed: bool | KnownDocuments | None = None, mtp_ids_BT: torch.Tensor | None = None
-                ) -> DecoderOutput:
-        """``mtp_ids_BT``: ids an MTP head embeds too, in the same call of the embedding (FSDP's hooks run once)."""
+                packed: bool | KnownDocuments | None = None, mtp_ids_BT: torch.Tensor | None = None,
+                insert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecoderOutput:
+        """``mtp_ids_BT``: ids an MTP head embeds too, in the same call of the embedding (FSDP's hooks run once).
+        ``insert``: applied to the token embeddings [B, T, D] before the blocks (a family's image tokens put in place
+        of their pad tokens)."""
         ids_BT = input_ids_BT if mtp_ids_BT is None else torch.cat((input_ids_BT, mtp_ids_BT))
         embeds_BTD = self.embed_tokens(ids_BT)
         h_BTD = embeds_BTD[:len(input_ids_BT)]
+        if insert is not None:
+            h_BTD = insert(h_BTD)
         cos, sin = self.rotary_tables(position_ids, h_BTD.dtype)
         docs = self.find_documents(position_ids, packed)
         stats = []
@@ -178,6 +184,7 @@ class MoeCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.mtp: nn.Module | None = None  # a family's multi-token-prediction head, where the model trains one
+        self.visual: nn.Module | None = None  # a family's vision tower, where the model has one
         self.model = self.decoder_cls(args)
         self.lm_head = LMHead(args.hidden_size, args.vocab_size)
         self.tie_weights()
@@ -197,20 +204,22 @@ class MoeCausalLM(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels_BT: torch.Tensor | None = None, packed: bool | KnownDocuments | None = None,
-                trained_rows: torch.Tensor | None = None, mtp: MtpBatch | None = None) -> CausalLMOutput:
+                trained_rows: torch.Tensor | None = None, mtp: MtpBatch | None = None,
+                insert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CausalLMOutput:
         """``position_ids`` [B, T] (or a family's multimodal [3, B, T]); default 0..T-1 for every row.
         With ``labels_BT`` (already shifted, -100 = ignore) the output has ``loss_sum`` and no logits. ``packed``:
         whether the rows hold several documents, where the caller knows (``models.layers.known_documents``).
         ``trained_rows``: the flat indices of the labels != -100 (``models.causal_lm.trained_rows``; None: every
         row), the only rows the LM head computes logits for; the loss is the same either way. ``mtp``: run the MTP
         head too (the model must have one) on this batch (``mtp_batch``; its labels are read where ``labels_BT``
-        is given): its logits or summed cross-entropy come as ``mtp_logits`` / ``mtp_loss_sum``."""
+        is given): its logits or summed cross-entropy come as ``mtp_logits`` / ``mtp_loss_sum``. ``insert``: see
+        ``MoeDecoder.forward``."""
         if position_ids is None:
             position_ids = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(input_ids_BT)
             packed = False
         if mtp is not None and self.mtp is None:
             raise ValueError("an MTP batch for a model without an MTP head (model.arch.mtp_loss_weight=0)")
-        out = self.model(input_ids_BT, position_ids, packed, None if mtp is None else mtp.input_ids_BT)
+        out = self.model(input_ids_BT, position_ids, packed, None if mtp is None else mtp.input_ids_BT, insert)
         stats, h_mtp_BTD = out.router_stats, None
         if mtp is not None:
             h_mtp_BTD, mtp_stats = self.mtp(out.mtp_embeds_BTD, out.h_BTD, out.cos, out.sin, out.docs)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from core.files import remove, stale_temporaries
 from core.safetensors_stream import TensorLayout, stream_gathered, torch_dtype, write_safetensors
-from models import ModelSpec, build_args, get_spec
+from models import ModelSpec, build_args, get_spec, with_vision
 from models.init import local_box
 from models.moe import TopKRouter
 
@@ -107,13 +107,18 @@ def preset_differences(args: Any, cfg: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- names
 
 
-def _to_ours(spec: ModelSpec, disk_name: str, mtp: bool = True) -> str | None:
-    """Our name of a checkpoint's tensor; None: not part of our model (a vision tower; ``mtp`` False: the MTP head,
-    for a model built without one)."""
+def _to_ours(spec: ModelSpec, disk_name: str, mtp: bool = True, vision: bool = True) -> str | None:
+    """Our name of a checkpoint's tensor; None: not part of our model (``mtp`` False: the MTP head, for a model built
+    without one; ``vision`` False: the vision tower, likewise)."""
     for disk, ours in spec.hf_prefixes:
-        if disk_name.startswith(disk) and (mtp or not _is_mtp(spec, ours)):
+        if disk_name.startswith(disk) and (mtp or not _is_mtp(spec, ours)) and (vision or not _is_vision(spec, ours)):
             return ours + disk_name[len(disk):]
     return None
+
+
+def _is_vision(spec: ModelSpec, name: str) -> bool:
+    """Whether our ``name`` (or prefix) is the vision tower's: built only where the run trains it."""
+    return spec.vision is not None and name.startswith(spec.vision + ".")
 
 
 def _is_mtp(spec: ModelSpec, name: str) -> bool:
@@ -211,10 +216,10 @@ def _fused_source(parts_by_expert: list[list[Any]]) -> _Source:
 
 
 @contextlib.contextmanager
-def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False) -> Iterator[dict[str, _Source]]:
+def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False, vision: bool = False) -> Iterator[dict[str, _Source]]:
     """Our name -> _Source for every tensor of a Hugging Face directory that belongs to our model (family
-    from its config.json; ``mtp``: with its MTP head). Per-expert tensors become one fused source; raises listing
-    any missing expert."""
+    from its config.json; ``mtp``: with its MTP head; ``vision``: with its vision tower). Per-expert tensors become
+    one fused source; raises listing any missing expert."""
     hf_dir = Path(hf_dir)
     spec = get_spec(read_hf_config(hf_dir)["model_type"])
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.(\d+)\.(.+)$")
@@ -225,7 +230,7 @@ def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False) -> Iterator[dict
         for path in _checkpoint_files(hf_dir):
             f = stack.enter_context(_open_safetensors(path))
             for disk_name in f.keys():
-                name = _to_ours(spec, disk_name, mtp)
+                name = _to_ours(spec, disk_name, mtp, vision)
                 if name is None:
                     skipped.append(disk_name)
                     continue
@@ -256,10 +261,11 @@ def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False) -> Iterator[dict
         yield sources
 
 
-def load_hf_state_dict(hf_dir: str | os.PathLike, mtp: bool = False) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face directory in our names, as full tensors (``mtp``: the MTP head's too).
-    Per-expert tensors are stacked into the fused ones; fused tensors on disk are taken as they are."""
-    with _disk_sources(hf_dir, mtp) as sources:
+def load_hf_state_dict(hf_dir: str | os.PathLike, mtp: bool = False, vision: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face directory in our names, as full tensors (``mtp``: the MTP head's too; ``vision``:
+    the vision tower's too). Per-expert tensors are stacked into the fused ones; fused tensors on disk are taken as
+    they are."""
+    with _disk_sources(hf_dir, mtp, vision) as sources:
         return {name: src.read(_whole(src.shape)) for name, src in sources.items()}
 
 
@@ -323,7 +329,7 @@ def check_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """``load_hf_into_model``'s check (names, global shapes, dtypes) against the safetensors headers alone, on the
     model still on the meta device: a config.json that its weights disagree with (vocab_size=2e8 beside 256 rows)
     is refused before its model is allocated."""
-    with _disk_sources(hf_dir, mtp=model.mtp is not None) as sources:  # the tensors load_hf_into_model reads
+    with _disk_sources(hf_dir, mtp=model.mtp is not None, vision=_has_vision(model)) as sources:  # what loads
         try:
             check_state_dict(model, sources)
         except ValueError as e:
@@ -335,12 +341,17 @@ def load_hf_into_model(model: nn.Module, hf_dir: str | os.PathLike) -> None:
     """Fill the model from a Hugging Face directory, each rank reading from disk only the slices it owns:
     host memory stays near one rank's share instead of the whole checkpoint."""
     spec = get_spec(read_hf_config(hf_dir)["model_type"])
-    with _disk_sources(hf_dir, mtp=model.mtp is not None) as sources:
+    with _disk_sources(hf_dir, mtp=model.mtp is not None, vision=_has_vision(model)) as sources:
         if model.mtp is not None and not any(_is_mtp(spec, name) for name in sources):
             raise ValueError(f"model.arch.mtp_loss_weight={model.args.mtp_loss_weight} trains the MTP head, and "
                              f"{hf_dir} has none (no mtp.* tensors): start from a checkpoint that has one, or set "
                              "model.arch.mtp_loss_weight=0")
         _copy_into(model, sources, lambda src, box: src.read(box))
+
+
+def _has_vision(model: nn.Module) -> bool:
+    """Whether the model was built with its vision tower (``MoeCausalLM.visual``, model.vision=true)."""
+    return getattr(model, "visual", None) is not None
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -461,6 +472,9 @@ def check_export_source(hf_dir: str | os.PathLike, model_type: str, args: Any) -
                          "--source NEW_DIR (where it is now) or --source none (the trained model alone)")
     config = read_hf_config(hf_dir)
     source_type, source_args = args_from_hf_config(config)
+    # A run without the source's vision tower carries it: the text model is compared; with it, the tower too.
+    source_args = with_vision(source_args, getattr(args, "vision_config", None) is not None
+                              and getattr(source_args, "vision_config", None) is not None)
     names = _hf_names(get_spec(model_type))
     if (get_spec(source_type).args_cls is not get_spec(model_type).args_cls
             or names.config_from_arch(source_args) != names.config_from_arch(args)):
@@ -553,7 +567,8 @@ def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_d
         spec = carried.spec
     else:
         carried = None
-        spec = get_spec(spec.hf_export_type) if spec.hf_export_type else spec
+        # A model with its vision tower exports in its own (multimodal) layout, one without in the text layout.
+        spec = get_spec(spec.hf_export_type) if spec.hf_export_type and not _has_vision(model) else spec
     config = {"architectures": [spec.hf_architecture], "model_type": spec.model_type,
               **_hf_names(spec).config_from_arch(args), "torch_dtype": str(dtype).removeprefix("torch."),
               # The transformers format written (the version the tests load it with). Without it, transformers 5.x

@@ -35,7 +35,8 @@ from kernels.tokenwise.swiglu import packed_swiglu, swiglu
 
 # The references too: the families' slot defaults.
 __all__ = ["DenseMaskAttention", "Documents", "KnownDocuments", "RMSNorm", "apply_rotary", "document_cu_seqlens",
-           "document_ids", "known_documents", "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu"]
+           "document_ids", "known_documents", "packed_swiglu", "rms_norm", "rotary_cos_sin", "rotate_half", "swiglu",
+           "text_positions"]
 
 
 class RMSNorm(nn.Module):
@@ -82,12 +83,20 @@ def known_documents(position_ids_BT: torch.Tensor, dev: torch.device) -> KnownDo
     return KnownDocuments(queued_copy(cu_seqlens_n1, dev), cu_seqlens_n1)
 
 
+def text_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """The text positions [B, T] of multimodal [4, B, T] position ids (row 0; rows 1..3 are the 3-D rotary's t, h,
+    w: transformers' convention for packed Qwen-VL batches); other position ids as they are."""
+    return position_ids[0] if position_ids.dim() == 3 and position_ids.shape[0] == 4 else position_ids
+
+
 def document_ids(position_ids_BT: torch.Tensor, packed: bool | KnownDocuments | None = None) -> torch.Tensor | None:
     """Index of each token's document within its row (0, 1, ...) for packed rows, or None if every row is one
     document. A document starts wherever a position id is not its predecessor's + 1, as transformers detects packed
-    sequences. Multimodal [3, B, T] position ids are taken as one document per row. ``packed``: whether any row
-    holds more than one document, where the caller knows it (the trainer, from the host copy of the ids:
-    ``known_documents``); None finds out, at the cost of a host sync for ids on an accelerator."""
+    sequences; multimodal [4, B, T] position ids by their text row (``text_positions``). Multimodal [3, B, T] position
+    ids are taken as one document per row. ``packed``: whether any row holds more than one document, where the
+    caller knows it (the trainer, from the host copy of the ids: ``known_documents``); None finds out, at the cost
+    of a host sync for ids on an accelerator."""
+    position_ids_BT = text_positions(position_ids_BT)
     if position_ids_BT.dim() != 2 or packed is False:
         return None
     starts_BT = position_ids_BT.diff(dim=1, prepend=position_ids_BT[:, :1] - 1) != 1

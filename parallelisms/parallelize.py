@@ -38,7 +38,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
     """Shard or replicate ``model`` (usually still on the meta device) in place and return it. ``dispatcher``:
     the ``dispatcher`` group, which EP (parallel.ep_size > 1) installs on every experts module; None: eager.
     ``compile_blocks``: train.compile."""
-    apply_activation_checkpointing([block for _, block in spec.named_blocks(model)], cfg.activation_checkpoint)
+    apply_activation_checkpointing([block for _, block in spec.named_blocks(model) + spec.named_vision_blocks(model)],
+                                   cfg.activation_checkpoint)
     if dims.cp > 1:
         apply_context_parallel(model, dims.mesh("cp"))
     if compile_blocks:  # AC -> compile -> FSDP (torchtitan's order); hook-free pieces: every backend's hooks stay eager
@@ -71,10 +72,17 @@ def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:
 
 def _units(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
     """The fsdp2 plan's units, without the prefetch chains: embeddings, each block, each block's experts, the
-    final norm and LM head, the root (whatever the others do not hold)."""
+    final norm and LM head, a vision tower's blocks and the rest of it, the root (whatever the others do not hold)."""
     blocks = [block for _, block in spec.named_blocks(model)]
     return [model.get_submodule(spec.embeddings), *blocks, *(b.get_submodule(spec.experts) for b in blocks),
-            *(model.get_submodule(name) for name in spec.final), model]
+            *(model.get_submodule(name) for name in spec.final), *vision_units(model, spec), model]
+
+
+def vision_units(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
+    """A vision tower's FSDP units, in the order its forward runs them: the tower (its patch embedding, positions
+    and merger: gathered for its whole forward), then each of its blocks; none for a model without one."""
+    tower = spec.vision_tower(model)
+    return [] if tower is None else [tower, *(block for _, block in spec.named_vision_blocks(model))]
 
 
 def _apply_one_rank_plan(model: nn.Module, spec: ModelSpec, mp_policy: MixedPrecisionPolicy) -> None:
@@ -118,6 +126,10 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
         fully_shard(embeddings, **outer)
     for block in blocks:
         fully_shard(block, **outer)
+    # A vision tower (its blocks, then the rest of it), sharded like the blocks; under CP every cp rank runs it whole.
+    tower = vision_units(model, spec)
+    for unit in tower[1:] + tower[:1]:
+        fully_shard(unit, **outer)
     head = spec.mtp_head(model)
     if head is not None:
         # An MTP head's own fc and norms (its block is a unit above) are a unit of their own, not the root's: the
@@ -140,6 +152,10 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
         unit[0].set_modules_to_forward_prefetch(after)
     for unit, before in zip(units[::-1], units[::-1][1:]):
         unit[0].set_modules_to_backward_prefetch(before)
+    # The tower runs first (its tokens go into the embeddings' output): in forward each of its units gathers the next,
+    # its last block the embeddings. Backward is left to FSDP's own order: a frozen tower runs none.
+    for unit, after in zip(tower, tower[1:] + [embeddings]):
+        unit.set_modules_to_forward_prefetch([after])
     return model
 
 

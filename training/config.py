@@ -35,6 +35,10 @@ class ModelConfig:
     tokenizer: str = "qwen3"
     init_from: str | None = execution(default=None)  # a Hugging Face directory (config.json + safetensors) to load weights from
     arch: dict[str, Any] = field(default_factory=dict)  # the family's hyper-parameters (models/<family>/args.py)
+    # Build and train the vision tower (model.arch.vision_config; model=hf: config.json's), for data with images;
+    # false: the text model alone (a source's tower is carried to the export untouched)
+    vision: bool = False
+    freeze_vision: bool = False  # the vision tower (its merger too) gets no gradient and no optimizer state
 
 
 SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule
@@ -62,6 +66,7 @@ class OptimConfig:
     # The AdamW moments' dtype: float32 (torch's AdamW) | bfloat16 (half the state, fp32 master weights and update:
     # training.optim.AdamW)
     state_dtype: str = "float32"
+    vision_lr_scale: float = 1.0  # the vision tower's and its merger's learning rate: optim.lr times this
 
 
 @dataclass
@@ -216,6 +221,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.tokenizer != "auto" or m.init_from is not None,
            "model.tokenizer=auto takes the tokenizer of model.init_from's directory, and model.init_from is unset: "
            "name the tokenizer (model.tokenizer=qwen3 or qwen3_5)")
+    _check_vision(cfg)
     validate_data_config(cfg.data)
     validate_kernel_config(cfg.kernel_config)
     validate_dispatcher_config(cfg.dispatcher)
@@ -243,6 +249,19 @@ def _check_state_dtype(o: OptimConfig) -> None:
     _check(o.state_dtype != "bfloat16" or all(1 - b >= BF16_MIN_STEP for b in o.betas),
            f"optim.betas={list(o.betas)} move the bf16 moments by less than bf16 resolves (1 - beta < 2^-8): the "
            "updates would round away; use betas <= 0.996 or optim.state_dtype=float32")
+
+
+def _check_vision(cfg: TrainConfig) -> None:
+    """model.vision, model.freeze_vision and optim.vision_lr_scale together (model.arch.vision_config is the
+    family's: ``models.with_vision``)."""
+    m, scale = cfg.model, cfg.optim.vision_lr_scale
+    _check(scale > 0, f"optim.vision_lr_scale={scale} must be positive (model.freeze_vision=true trains no tower)")
+    _check(m.vision or not m.freeze_vision, "model.freeze_vision=true freezes the vision tower, and model.vision=false "
+           "builds none: set model.vision=true, or leave model.freeze_vision unset")
+    _check(m.vision or scale == 1, f"optim.vision_lr_scale={scale} scales the vision tower's learning rate, and "
+           "model.vision=false builds none: set model.vision=true, or leave optim.vision_lr_scale at 1")
+    _check(not m.freeze_vision or scale == 1, f"optim.vision_lr_scale={scale} scales the learning rate of a vision "
+           "tower that model.freeze_vision=true does not train: leave one of them unset")
 
 
 def _check_schedule(o: OptimConfig, steps: int) -> None:

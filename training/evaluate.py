@@ -13,7 +13,8 @@ from models.causal_lm import trained_rows
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], device: torch.device,
                     autocast: torch.autocast, group: dist.ProcessGroup | None) -> float:
-    """Mean token cross-entropy of ``batches`` (this rank's rows, cp-sharded as for training) over the data-parallel
+    """Mean token cross-entropy of ``batches`` (this rank's rows, cp-sharded as for training, with their ``images``
+    where the data has some: ``training.batch.validation_shard``) over the data-parallel
     ``group``: summed losses and trained-token counts are all-reduced before the division, so every layout of the
     same global batch gets the same value. The router statistics (aux and z losses) are not part of it. As in
     training, the LM head computes logits for the trained labels only (``trained_rows``, from the host labels)."""
@@ -22,9 +23,10 @@ def validation_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor
     totals = torch.zeros(2, device=device, dtype=torch.float64)  # loss sum, trained tokens
     for batch in batches:
         rows_N = trained_rows(batch["labels"], device)
-        batch = to_device(batch, device)
+        images = {"images": batch["images"]} if "images" in batch else {}  # on the device already
+        batch = to_device({k: v for k, v in batch.items() if k != "images"}, device)
         with autocast:
-            out = model(batch["input_ids"], batch["position_ids"], batch["labels"], trained_rows=rows_N)
+            out = model(batch["input_ids"], batch["position_ids"], batch["labels"], trained_rows=rows_N, **images)
         totals += torch.stack([out.loss_sum.double(), (batch["labels"] != IGNORE_INDEX).sum().double()])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(totals, group=group)

@@ -21,11 +21,20 @@ from training.config import OptimConfig
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (norm weights and other vectors are not decayed): ``AdamW`` below
     with bf16 moments, and by default on CUDA with fp32 ones too (its Triton pass takes the clip in); otherwise
-    torch's, fused (``optim.fused=true``) or foreach."""
+    torch's, fused (``optim.fused=true``) or foreach. Frozen parameters (model.freeze_vision) are left out: no
+    state. A vision tower's parameters (``model.visual``, where trained) have groups of their own, at optim.lr x
+    optim.vision_lr_scale (the groups' ``lr_scale``, which the schedule keeps)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    visual = getattr(model, "visual", None)
+    vision = {id(p) for p in visual.parameters()} if visual is not None else set()
+    text = [p for p in params if id(p) not in vision]
+    tower = [p for p in params if id(p) in vision]
+    scaled = {"lr": cfg.lr * cfg.vision_lr_scale, "lr_scale": cfg.vision_lr_scale}
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in text if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in text if p.ndim < 2], "weight_decay": 0.0},
+        *([{"params": [p for p in tower if p.ndim >= 2], "weight_decay": cfg.weight_decay, **scaled},
+           {"params": [p for p in tower if p.ndim < 2], "weight_decay": 0.0, **scaled}] if tower else []),
     ]
     kind = adamw_kind(cfg, params[0].device.type)
     if kind == "project":
@@ -301,7 +310,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     current config: a resume with a deliberately changed optim.lr or train.steps follows the new schedule from its
     first step, lr = optim.lr x lr_multiplier(position) with the new schedule keys and total."""
     for group in optimizer.param_groups:
-        group["initial_lr"] = cfg.lr
+        group["initial_lr"] = cfg.lr * group.get("lr_scale", 1.0)  # the vision tower's: optim.vision_lr_scale
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps), last_epoch=position - 1)
 
 

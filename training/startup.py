@@ -184,6 +184,13 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
 
 
 def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
+    """The family's spec and hyper-parameters as the run builds them (``models.with_vision``: the vision tower only
+    with model.vision=true): the preset, or the config.json of model.init_from (model=hf)."""
+    spec, args = _resolve_arch(cfg)
+    return spec, models.with_vision(args, cfg.model.vision)
+
+
+def _resolve_arch(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
     """The family's spec and hyper-parameters: the preset, or the config.json of model.init_from (model=hf)."""
     m = cfg.model
     if m.init_from is None:

@@ -1,13 +1,90 @@
 """Qwen3.5-MoE hyper-parameters, named as in transformers' ``Qwen3_5MoeTextConfig`` (config.json ``text_config``;
-``rope_parameters`` flattened into ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section``)."""
+``rope_parameters`` flattened into ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section``), and the vision
+tower's, named as in ``Qwen3_5MoeVisionConfig`` (config.json ``vision_config``, with the image token ids of the
+top level)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from models.args import MoeArgs
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh",)  # the blocks' MLP activation (the merger's is the exact GELU)
+
+
+@dataclass
+class VisionArgs:
+    """The vision tower (``models/qwen3_5_moe/vision.py``): a patch embedding (Conv3d over temporal_patch_size x
+    patch_size^2 pixels of in_channels), learned positions resampled to each image's grid, ``depth`` pre-norm ViT
+    blocks of ``num_heads`` heads with a 2-D rotary, and a merger of spatial_merge_size^2 patches into one token of
+    out_hidden_size (the text model's hidden size). Defaults: transformers' ``Qwen3_5MoeVisionConfig`` and
+    ``Qwen3_5MoeConfig`` (the token ids)."""
+
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    initializer_range: float = 0.02
+    rope_theta: float = 10000.0  # rope_parameters (axial)
+    # config.json's top level: the tokens the chat template puts around and in place of an image
+    image_token_id: int = 248056
+    video_token_id: int = 248057
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch in ``pixel_values``: in_channels x temporal_patch_size x patch_size^2."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one token: spatial_merge_size^2."""
+        return self.spatial_merge_size**2
+
+    def validate(self, hidden_size: int, vocab_size: int) -> None:
+        key = "model.arch.vision_config"
+        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+                     "spatial_merge_size", "temporal_patch_size", "num_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{key}.{name}={getattr(self, name)} must be positive")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise ValueError(f"{key}.hidden_size={self.hidden_size} / num_heads={self.num_heads} must be a head dim "
+                             "divisible by 4 (the 2-D rotary gives a quarter of it to each of h and w, twice)")
+        side = round(self.num_position_embeddings**0.5)
+        if side * side != self.num_position_embeddings:
+            raise ValueError(f"{key}.num_position_embeddings={self.num_position_embeddings} must be a square (the "
+                             "learned positions are a square grid)")
+        if self.hidden_act not in VISION_ACTIVATIONS:
+            raise ValueError(f"{key}.hidden_act={self.hidden_act!r} is not implemented; supported: "
+                             f"{', '.join(VISION_ACTIVATIONS)}")
+        if self.out_hidden_size != hidden_size:
+            raise ValueError(f"{key}.out_hidden_size={self.out_hidden_size} must be the text model's "
+                             f"model.arch.hidden_size={hidden_size}: its tokens take the place of image pad tokens")
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if not 0 <= getattr(self, name) < vocab_size:
+                raise ValueError(f"{key}.{name}={getattr(self, name)} is not an id of the vocabulary "
+                                 f"(model.arch.vocab_size={vocab_size})")
+
+    def param_count(self) -> int:
+        """The tower's parameters: patch embedding, positions, blocks, merger."""
+        D, I, M = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
+        block = 4 * D + (3 * D * D + 3 * D) + (D * D + D) + (D * I + I) + (I * D + D)  # 2 LayerNorms, qkv, proj, mlp
+        merger = 2 * D + (M * M + M) + (M * self.out_hidden_size + self.out_hidden_size)
+        return self.patch_dim * D + D + self.num_position_embeddings * D + self.depth * block + merger
 
 
 @dataclass
@@ -39,6 +116,19 @@ class Qwen3_5MoeArgs(MoeArgs):
     # token t+2): trained with its cross-entropy added at this weight; 0: the model has no head (a checkpoint's is
     # carried to the export untouched). Training-only: not in config.json.
     mtp_loss_weight: float = 0.0
+    # The vision tower, where the model has one (None: the text model alone). A run builds it only with
+    # model.vision=true (training.startup); its parameters are not counted in param_counts / flops_per_token, which
+    # are per text token.
+    vision_config: VisionArgs | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vision_config, dict):  # from a preset's yaml or config.json's vision_config
+            known = {f.name for f in dataclasses.fields(VisionArgs)}
+            unknown = sorted(set(self.vision_config) - known)
+            if unknown:
+                raise ValueError(f"model.arch.vision_config has keys {unknown} that the vision tower does not know; "
+                                 f"known: {sorted(known)}")
+            self.vision_config = VisionArgs(**self.vision_config)
 
     @property
     def rotary_dim(self) -> int:
@@ -74,6 +164,12 @@ class Qwen3_5MoeArgs(MoeArgs):
             raise ValueError(f"model.arch.mtp_loss_weight={self.mtp_loss_weight} must be >= 0 (0: no MTP head)")
         if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
             raise ValueError(f"model.arch.mrope_section={self.mrope_section} must be 3 non-negative counts (t, h, w)")
+
+    def validate_vision(self) -> None:
+        """The vision tower's checks, for a model built with it (``models.with_vision``: a preset's tower is checked
+        against the text model only where a run builds it)."""
+        if self.vision_config is not None:
+            self.vision_config.validate(self.hidden_size, self.vocab_size)
 
     def _layer_params(self) -> tuple[int, int, int]:
         """(full-attention mixer, DeltaNet mixer, MoE block excluding routed experts) parameter counts."""

@@ -1,24 +1,29 @@
-"""Qwen3.5-MoE (text) in plain PyTorch, numerically the same model as transformers' ``Qwen3_5MoeForCausalLM``.
+"""Qwen3.5-MoE in plain PyTorch, numerically the same model as transformers' ``Qwen3_5MoeForCausalLM`` (the text
+model) and, with its vision tower (``vision.py``), as ``Qwen3_5MoeForConditionalGeneration``.
 
-Parameter names equal transformers 5's in-memory names, so a transformers state dict loads as is. Layers mix
-Gated DeltaNet (``linear_attn``) and gated full attention (``self_attn``); every layer has the MoE block.
+Parameter names equal transformers 5's in-memory names of the text model, so a transformers state dict loads as is;
+the tower is ``visual.*`` here, ``model.visual.*`` there (``ModelSpec.hf_prefixes``). Layers mix Gated DeltaNet
+(``linear_attn``) and gated full attention (``self_attn``); every layer has the MoE block.
 No parallel plumbing here: ``parallelisms/`` shards this module from the outside.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
 
 from models.attention import Attention
 from models.footprint import LayerActivations
-from models.causal_lm import MoeCausalLM, MoeDecoder, MoeDecoderLayer
-from models.layers import Documents
+from models.causal_lm import CausalLMOutput, MoeCausalLM, MoeDecoder, MoeDecoderLayer, MtpBatch
+from models.layers import Documents, KnownDocuments
 from models.moe import RouterStats
 from models.init import ShardedInit, constant
 from models.qwen3_5_moe.args import FULL_ATTENTION, Qwen3_5MoeArgs
 from models.qwen3_5_moe.deltanet import GatedDeltaNet
 from models.qwen3_5_moe.layers import OffsetRMSNorm, SharedExpertMoeBlock, mrope_cos_sin
+from models.qwen3_5_moe.vision import VisionInputs, VisionModel, insert_images
 
 
 class DecoderLayer(MoeDecoderLayer):
@@ -50,6 +55,10 @@ class Qwen3_5MoeModel(MoeDecoder):
                          OffsetRMSNorm(args.hidden_size, args.rms_norm_eps))
 
     def rotary_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] or [3, B, T] position ids (``mrope_cos_sin``), or multimodal [4, B, T] ones: the text row 0 finds
+        the documents, rows 1..3 are the 3-D rotary's (transformers' ``Qwen3_5MoeTextModel`` splits them so)."""
+        if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+            position_ids = position_ids[1:]
         return mrope_cos_sin(position_ids, self.args, dtype)
 
 
@@ -93,12 +102,42 @@ class MultiTokenPredictor(nn.Module):
 
 
 class Qwen3_5MoeForCausalLM(MoeCausalLM):
+    """The text model, with the vision tower (``visual``, transformers' ``model.visual``) where
+    ``args.vision_config`` is set: then ``images`` (``models.qwen3_5_moe.vision.vision_inputs``) puts the tower's
+    tokens in place of the image pad tokens before the blocks. Without a tower the model is the text model alone."""
+
     decoder_cls = Qwen3_5MoeModel
 
     def __init__(self, args: Qwen3_5MoeArgs) -> None:
         super().__init__(args)
         if args.mtp_loss_weight > 0:
             self.mtp = MultiTokenPredictor(args)
+        if args.vision_config is not None:
+            args.validate_vision()
+            self.visual = VisionModel(args.vision_config)
+
+    def forward(self, input_ids_BT: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels_BT: torch.Tensor | None = None, packed: bool | KnownDocuments | None = None,
+                trained_rows: torch.Tensor | None = None, mtp: MtpBatch | None = None,
+                images: VisionInputs | None = None) -> CausalLMOutput:
+        """``MoeCausalLM.forward``, and ``images``: this micro-batch's images (a dummy where it has none, in a run
+        with images: every rank runs the tower), their tokens in place of the image pad tokens. Position ids are
+        then the multimodal [4, B, T] (text row, then t, h, w)."""
+        insert = None
+        if images is not None:
+            if self.visual is None:
+                raise ValueError("images for a model without a vision tower: train with model.vision=true (and "
+                                 "model.arch.vision_config set)")
+            tokens_UD = self.visual(images)
+            insert = functools.partial(insert_images, tokens_UD=tokens_UD, images=images)
+        return super().forward(input_ids_BT, position_ids, labels_BT, packed, trained_rows, mtp, insert)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """``MoeCausalLM.init_weights``, then the vision tower's own (``VisionModel.init_weights``)."""
+        super().init_weights(seed)
+        if self.visual is not None:
+            self.visual.init_weights(ShardedInit(self, seed))
 
     def init_module(self, module: nn.Module, init: ShardedInit) -> None:
         """DeltaNet's dt_bias 1 and A_log = log U(0.01, 16) (kept away from 0 so that A_log stays finite), as
