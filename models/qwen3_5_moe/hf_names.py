@@ -91,4 +91,4 @@ def config_from_arch(args: Qwen3_5MoeArgs) -> dict[str, Any]:
 
 def _vision_config(vision: VisionArgs) -> dict[str, Any]:
     return {"model_type": "qwen3_5_moe_vision", **{key: getattr(vision, key) for key in _VISION_DEFAULTS},
-            "rope_parameters": {"rope_type": "axial", "rope_theta": vision.rope_theta}, "deepstack_visual_indexes": []}
+            "rope_parameters": {"rope_type": "axial", "rope_theta": vision.rope_theta}}
