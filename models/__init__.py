@@ -102,8 +102,9 @@ def get_spec(model_type: str) -> ModelSpec:
 
 
 def with_vision(args: Any, vision: bool) -> Any:
-    """The hyper-parameters a run builds (``model.vision``): the vision tower's (``vision_config``) kept where it
-    trains, dropped where not (text data: the text model alone, its tower carried to the export untouched)."""
+    """The hyper-parameters a model is built from (``model.vision``): the vision tower's (``vision_config``) kept
+    where it trains, dropped where not (text data: the text model alone, a checkpoint's tower carried to the export
+    untouched)."""
     has = getattr(args, "vision_config", None) is not None
     if vision and not has:
         raise ValueError("model.vision=true trains the vision tower, and model.arch.vision_config is unset: use a "
@@ -116,8 +117,10 @@ def with_vision(args: Any, vision: bool) -> Any:
     return dataclasses.replace(args, vision_config=None) if has else args
 
 
-def build_args(model_type: str, arch: dict[str, Any]):
-    """Hyper-parameter dataclass of the family from a dict, rejecting keys the family does not have."""
+def build_args(model_type: str, arch: dict[str, Any], vision: bool = False):
+    """Hyper-parameter dataclass of the family from a dict, rejecting keys the family does not have. ``vision``
+    (model.vision): keep the vision tower's hyper-parameters (``with_vision``); by default a model is built without
+    its tower, whatever the preset or config.json describes."""
     args_cls = get_spec(model_type).args_cls
     known = {f.name for f in dataclasses.fields(args_cls)}
     unknown = sorted(set(arch) - known)
@@ -125,7 +128,7 @@ def build_args(model_type: str, arch: dict[str, Any]):
         raise ValueError(f"model.arch has keys {unknown} that {model_type} does not know; known: {sorted(known)}")
     args = args_cls(**arch)
     args.validate()
-    return args
+    return with_vision(args, vision)
 
 
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))

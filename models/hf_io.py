@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from core.files import remove, stale_temporaries
 from core.safetensors_stream import TensorLayout, stream_gathered, torch_dtype, write_safetensors
-from models import ModelSpec, build_args, get_spec, with_vision
+from models import ModelSpec, build_args, get_spec
 from models.init import local_box
 from models.moe import TopKRouter
 
@@ -81,9 +81,9 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Any]:
+def args_from_hf_config(cfg: dict[str, Any], vision: bool = False) -> tuple[str, Any]:
     """(model_type, the family's Args) from a config.json dict; keys we do not model are ignored, features
-    we do not implement raise."""
+    we do not implement raise. ``vision``: with its vision tower (``models.build_args``)."""
     model_type = cfg.get("model_type")
     if model_type is None:
         raise ValueError("config.json has no model_type")
@@ -91,7 +91,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> tuple[str, Any]:
     problems = names.unsupported(cfg)
     if problems:
         raise ValueError(f"config.json ({model_type}) uses features not implemented here: {'; '.join(problems)}")
-    return model_type, build_args(model_type, names.arch_from_config(cfg))
+    return model_type, build_args(model_type, names.arch_from_config(cfg), vision)
 
 
 def preset_differences(args: Any, cfg: dict[str, Any]) -> list[str]:
@@ -471,10 +471,8 @@ def check_export_source(hf_dir: str | os.PathLike, model_type: str, args: Any) -
                          "tensors the run does not train from it: restore it, or export with scripts/export_hf.py "
                          "--source NEW_DIR (where it is now) or --source none (the trained model alone)")
     config = read_hf_config(hf_dir)
-    source_type, source_args = args_from_hf_config(config)
     # A run without the source's vision tower carries it: the text model is compared; with it, the tower too.
-    source_args = with_vision(source_args, getattr(args, "vision_config", None) is not None
-                              and getattr(source_args, "vision_config", None) is not None)
+    source_type, source_args = args_from_hf_config(config, vision=getattr(args, "vision_config", None) is not None)
     names = _hf_names(get_spec(model_type))
     if (get_spec(source_type).args_cls is not get_spec(model_type).args_cls
             or names.config_from_arch(source_args) != names.config_from_arch(args)):

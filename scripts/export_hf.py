@@ -94,7 +94,8 @@ def model_type_and_args(config: dict, source: str) -> tuple[str, object]:
     model = config.get("model") or {}
     if not model.get("model_type") or not model.get("arch"):
         raise ValueError(f"{source} lacks model.model_type or model.arch: was it written by train.py?")
-    return model["model_type"], build_args(model["model_type"], model["arch"])
+    # The architecture the run built: its vision tower where it trained one (model.vision=true)
+    return model["model_type"], build_args(model["model_type"], model["arch"], bool(model.get("vision")))
 
 
 def run_tokenizer(config: dict, vocab_size: int, override: str | None) -> tuple[str | None, str]:

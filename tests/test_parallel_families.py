@@ -1,5 +1,8 @@
 """Eight gloo ranks, one spawn: Qwen3.5-MoE under ep2 and ep4_efsdp2 (and with its MTP head trained, under ep2),
-and a checkpoint saved under ep4_efsdp2 resumed under ep2 and under fsdp2, each against the single-process run
+a checkpoint saved under ep4_efsdp2 resumed under ep2 and under fsdp2, and Qwen3.5 with its vision tower trained on
+windows with images (tests/vision_data.py: some rows with an image of one of four sizes, some without, so that some
+ranks' micro-batches hold none and run the tower's dummy) under EP, expert FSDP, HSDP and CP + EP (every cp rank runs
+the window's images, each keeps its shard's tokens; images cross the cp shards), each against the single-process run
 (fp32, rel 1e-4)."""
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from models import build_args, get_spec
 from models.hf_io import export_hf
 from tests.conftest import compose_config, write_tokens
 from tests.dist_utils import assert_same_curve, run_distributed
+from tests.vision_data import images_in_token_data, vision_overrides
+from training.startup import resolve_model
 
 pytestmark = pytest.mark.torch_apis  # FSDP2 / EP / CP layouts on gloo ranks
 
@@ -26,11 +31,15 @@ TINY = {  # per family: a tiny architecture on the synthetic 256-token vocabular
 
 
 MTP = ["model.arch.mtp_loss_weight=0.3"]  # from a checkpoint with the head (<family>-mtp), trained
+VISION = [*vision_overrides(), "data.seq_len=32"]  # from a checkpoint with the tower (<family>-vision), trained
+VISION_LAYOUTS = ["ep2", "ep4_efsdp2", "hsdp", "cp2_ep2_efsdp2"]
 
 
 def config(tmp_path: Path, family: str, parallel: str, run: str, *overrides: str, steps: int = 4):
-    local_batch = 8 if parallel == "single" else 1  # the same global batch of 8 sequences
-    source = tmp_path / (f"{family}-mtp" if MTP[0] in overrides else family)
+    cp = compose_config([f"parallel={parallel}"]).parallel.cp_size
+    local_batch = 8 if parallel == "single" else cp  # the same global batch of 8 sequences
+    source = tmp_path / (f"{family}-mtp" if MTP[0] in overrides else f"{family}-vision" if VISION[0] in overrides
+                         else family)
     return compose_config([
         *TINY[family], f"model.init_from={source}", f"parallel={parallel}", "data=tokens",
         f"data.path={tmp_path / 'tokens.npy'}", "data.seq_len=16", f"data.cache_dir={tmp_path / 'cache'}",
@@ -39,8 +48,12 @@ def config(tmp_path: Path, family: str, parallel: str, run: str, *overrides: str
         "train.device=cpu", "train.mixed_precision=fp32", *overrides])
 
 
-def worker(rank: int, world_size: int, cfgs: dict) -> dict:
-    return {name: train.run(cfg) for name, cfg in cfgs.items()}  # in order: the resumes follow the save
+def worker(rank: int, world_size: int, cfgs: dict, vision_cfgs: dict) -> dict:
+    results = {name: train.run(cfg) for name, cfg in cfgs.items()}  # in order: the resumes follow the save
+    for name, cfg in vision_cfgs.items():
+        with images_in_token_data(resolve_model(cfg)[1].vision_config):
+            results[name] = train.run(cfg)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +70,15 @@ def runs(tmp_path_factory):
     model = get_spec(cfg.model.model_type).model_cls(build_args(cfg.model.model_type, dict(cfg.model.arch)))
     model.init_weights()
     export_hf(model, cfg.model.model_type, tmp_path / "qwen3_5_moe-mtp")
+    cfg = config(tmp_path, "qwen3_5_moe", "single", "init", *VISION)
+    model = get_spec(cfg.model.model_type).model_cls(build_args(cfg.model.model_type, dict(cfg.model.arch), True))
+    model.init_weights()
+    export_hf(model, cfg.model.model_type, tmp_path / "qwen3_5_moe-vision")  # the multimodal layout
     reference = {family: train.run(config(tmp_path, family, "single", f"single-{family}")) for family in TINY}
     reference["qwen3_5_moe-mtp"] = train.run(config(tmp_path, "qwen3_5_moe", "single", "single-mtp", *MTP))
+    cfg = config(tmp_path, "qwen3_5_moe", "single", "single-vision", *VISION)
+    with images_in_token_data(resolve_model(cfg)[1].vision_config):
+        reference["qwen3_5_moe-vision"] = train.run(cfg)
     saved = tmp_path / "ep4_efsdp2-ckpt" / "checkpoints" / "step_00000002"
     parallel = {
         "qwen35-ep2": config(tmp_path, "qwen3_5_moe", "ep2", "qwen35-ep2"),
@@ -68,7 +88,9 @@ def runs(tmp_path_factory):
         "resume-ep2": config(tmp_path, "qwen3_moe", "ep2", "resume-ep2", f"train.resume={saved}"),
         "resume-fsdp2": config(tmp_path, "qwen3_moe", "fsdp2", "resume-fsdp2", f"train.resume={saved}"),
     }
-    return reference, run_distributed(worker, WORLD, parallel, timeout_s=600)
+    vision = {f"vision-{layout}": config(tmp_path, "qwen3_5_moe", layout, f"vision-{layout}", *VISION)
+              for layout in VISION_LAYOUTS}
+    return reference, run_distributed(worker, WORLD, parallel, vision, timeout_s=900)
 
 
 @pytest.mark.parametrize("preset", ["ep2", "ep4_efsdp2"])
@@ -91,3 +113,10 @@ def test_checkpoint_from_ep4_efsdp2_resumes_in_another_layout(runs, layout):
     assert_same_curve(results["save-ep4_efsdp2"], reference["qwen3_moe"])
     assert [m["step"] for m in results[f"resume-{layout}"]] == [3, 4]
     assert_same_curve(results[f"resume-{layout}"], reference["qwen3_moe"])
+
+
+@pytest.mark.parametrize("layout", VISION_LAYOUTS)
+def test_qwen35_with_its_vision_tower_trains_like_one_process(runs, layout):
+    reference, results = runs
+    assert [m["step"] for m in results[f"vision-{layout}"]] == [1, 2, 3, 4]
+    assert_same_curve(results[f"vision-{layout}"], reference["qwen3_5_moe-vision"])

@@ -12,14 +12,15 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from omegaconf import OmegaConf
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
 
-from models import build_args, get_spec, with_vision
+from models import build_args, get_spec
 from models.hf_io import _to_disk
 from models.qwen3_5_moe import hf_names
 from models.qwen3_5_moe.args import VisionArgs
 from models.qwen3_5_moe.vision import interpolation_taps, rotary_positions, vision_inputs
-from tests.test_qwen35_parity import ARCH, _hf_config, _rel_err
+from tests.test_qwen35_parity import ARCH, CONF_MODEL, _hf_config, _rel_err
 from training.loss import router_loss_shares
 
 IMAGE, VIDEO, START, END = 120, 121, 122, 123  # within ARCH's 128-token vocabulary
@@ -40,7 +41,7 @@ def _hf_model_config() -> transformers.Qwen3_5MoeConfig:
 
 
 def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    args = with_vision(build_args("qwen3_5_moe", {**ARCH, "vision_config": {**VISION, **TOKENS}}), True)
+    args = build_args("qwen3_5_moe", {**ARCH, "vision_config": {**VISION, **TOKENS}}, vision=True)
     torch.manual_seed(0)
     ours = SPEC.model_cls(args)
     ours.init_weights()
@@ -143,7 +144,7 @@ def test_index_tables_match_transformers() -> None:
 
 
 def test_tower_init_matches_transformers() -> None:
-    args = with_vision(build_args("qwen3_5_moe", {**ARCH, "vision_config": {**VISION, **TOKENS}}), True)
+    args = build_args("qwen3_5_moe", {**ARCH, "vision_config": {**VISION, **TOKENS}}, vision=True)
     model = SPEC.model_cls(args)
     model.init_weights()
     hf = transformers.Qwen3_5MoeForConditionalGeneration(_hf_model_config())
@@ -159,21 +160,29 @@ def test_tower_init_matches_transformers() -> None:
 
 def test_config_json_round_trip_and_the_published_preset() -> None:
     config = _hf_model_config().to_dict()
-    args = build_args("qwen3_5_moe", hf_names.arch_from_config(config))
+    args = build_args("qwen3_5_moe", hf_names.arch_from_config(config), vision=True)
     assert args.vision_config == VisionArgs(**VISION, **TOKENS)
     written = hf_names.config_from_arch(args)
     again = transformers.Qwen3_5MoeConfig(**written)
     assert again.vision_config.to_dict() | {"transformers_version": None} == \
         transformers.Qwen3_5MoeConfig(**config).vision_config.to_dict() | {"transformers_version": None}
     assert again.image_token_id == IMAGE and again.vision_start_token_id == START
-    # The published preset's tower is transformers' default one, out to the text model's 2048.
-    from tests.test_qwen35_parity import _preset
 
-    published = _preset("qwen35_moe").vision_config
-    defaults = Qwen3_5MoeVisionConfig()
-    assert dataclasses.replace(published, out_hidden_size=defaults.out_hidden_size) == \
-        VisionArgs(**hf_names.arch_from_config(transformers.Qwen3_5MoeConfig().to_dict())["vision_config"])
-    assert published.out_hidden_size == 2048
+@pytest.mark.parametrize("preset", ["qwen35_moe", "qwen35_moe_debug"])
+def test_presets_build_their_tower_only_with_model_vision(preset) -> None:
+    cfg = OmegaConf.to_object(OmegaConf.load(CONF_MODEL / f"{preset}.yaml"))
+    assert build_args("qwen3_5_moe", cfg["arch"]).vision_config is None  # model.vision=false: the text model alone
+    args = build_args("qwen3_5_moe", cfg["arch"], vision=True)
+    with torch.device("meta"):
+        model = SPEC.model_cls(args)
+    tower = sum(p.numel() for p in model.visual.parameters())
+    assert tower == args.vision_config.param_count()
+    total, active = SPEC.parameter_counts(model)
+    assert (total, active) == tuple(n + tower for n in args.param_counts()[:2])  # every tower parameter active
+    if preset == "qwen35_moe":  # the published tower: transformers' default one, out to the text model's 2048
+        defaults = VisionArgs(**hf_names.arch_from_config(transformers.Qwen3_5MoeConfig().to_dict())["vision_config"])
+        assert args.vision_config == dataclasses.replace(defaults, out_hidden_size=2048)
+        assert 0.44e9 < tower < 0.45e9 and 35.0e9 < total < 35.2e9  # "35B" counts the tower (and the MTP head)
 
 
 @pytest.mark.parametrize("key, value, match", [
@@ -183,7 +192,7 @@ def test_config_json_round_trip_and_the_published_preset() -> None:
     ("image_token_id", 999, "not an id of the vocabulary"),
 ])
 def test_vision_config_checks_name_the_key(key, value, match) -> None:
-    args = build_args("qwen3_5_moe", {**ARCH, "vision_config": {**VISION, **TOKENS, key: value}})
+    arch = {**ARCH, "vision_config": {**VISION, **TOKENS, key: value}}
     with pytest.raises(ValueError, match=f"model.arch.vision_config.{key}.*{match}"):
-        with_vision(args, True)
-    assert with_vision(args, False).vision_config is None  # not built: not checked
+        build_args("qwen3_5_moe", arch, vision=True)
+    assert build_args("qwen3_5_moe", arch).vision_config is None  # not built (model.vision=false): not checked

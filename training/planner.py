@@ -46,6 +46,12 @@ class PlanConfig:
     # Device memory copy rate (the optimizer's time), measured on an H200: docs/results.md#other-measured-costs.
     hbm_gb_s: float = 4260.0
     capacity_gib: float = 80.0  # per GPU: what "fits" means
+    # A model with its vision tower (model.vision=true): the share of a window's tokens that are image tokens (each
+    # spatial_merge_size^2 patches the tower runs) and the patches of one image (attention within it): what the
+    # tower's memory and time are planned for. The data decides both; these are a 1024 x 1024 image (64 x 64
+    # patches of 16) per 4,096 tokens of chat.
+    image_token_share: float = 0.25
+    image_patches: int = 4096
     sweep: bool = False  # scripts/plan.py: try every candidate layout (candidate_layouts) instead of the configured one
 
 
@@ -145,10 +151,26 @@ def fsdp_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes, backe
     units.append(unit("final", final, reshard_after_forward=False))
     held = {id(p) for name in (spec.embeddings, *spec.final) for p in model.get_submodule(name).parameters()}
     held |= {id(p) for _, block in spec.named_blocks(model) for p in block.parameters()}
+    units += vision_units(model, spec, unit)
+    tower = spec.vision_tower(model)
+    held |= {id(p) for p in tower.parameters()} if tower is not None else set()
     rest = [p for p in model.parameters() if id(p) not in held]  # the root's own: an MTP head's fc and norms
     if rest:  # gathered for forward and again for backward, as the blocks
         units.append(unit("root", rest, reshard_after_forward=True))
     return units
+
+
+def vision_units(model: nn.Module, spec: models.ModelSpec, unit: Any) -> list[Unit]:
+    """A vision tower's units (``parallelisms.parallelize.vision_units``): each block, and the rest of the tower
+    (patch embedding, positions, merger), sharded like the decoder's blocks; none without a tower."""
+    tower = spec.vision_tower(model)
+    if tower is None:
+        return []
+    blocks = spec.named_vision_blocks(model)
+    inner = {id(p) for _, block in blocks for p in block.parameters()}
+    return [unit(f"vision block {i}", list(block.parameters()), reshard_after_forward=True)
+            for i, (_, block) in enumerate(blocks)] + [
+        unit("vision", [p for p in tower.parameters() if id(p) not in inner], reshard_after_forward=True)]
 
 
 def _whole_units(model: nn.Module, spec: models.ModelSpec, s: ParallelSizes) -> list[Unit]:
@@ -214,6 +236,7 @@ class StepShape:
     dispatcher: str
     moment_bytes: int = FP32  # AdamW's two moments, each (optim.state_dtype)
     backend: str = "fsdp2"  # fsdp2 | ddp | none
+    patches: int = 0  # image patches a micro-batch's vision tower runs on this rank (every cp rank: the window's)
 
 
 def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: ParallelSizes, step: StepShape,
@@ -275,7 +298,8 @@ def _merge_units(out: list[Collective]) -> None:
     """One row per kind, mesh and kind of unit: the blocks together, their experts together."""
     merged: dict[tuple[str, str, str], Collective] = {}
     for c in out:
-        what = ("experts" if c.what.endswith("experts") else "blocks") if c.what.startswith("block ") else c.what
+        what = ("experts" if c.what.endswith("experts") else "blocks") if c.what.startswith("block ") else \
+        "vision" if c.what.startswith("vision") else c.what
         prev = merged.get((c.kind, c.mesh, what))
         merged[c.kind, c.mesh, what] = dataclasses.replace(c, what=what) if prev is None else dataclasses.replace(
             prev, calls=prev.calls + c.calls, bytes=prev.bytes + c.bytes, seconds=prev.seconds + c.seconds)
@@ -330,7 +354,8 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
     recompute = {mode: max(max(f - k, 0) for f, k in zip(full, layers)) for mode, layers in kept.items()}
     # An MTP head's own parts outside its block are never checkpointed; its rows double the LM head's.
     mtp = model.mtp.saved_activations() if model.mtp is not None else NO_ACTIVATIONS
-    activations = {mode: sum(layers) + nbytes(mtp.none, mtp.none_fp32) for mode, layers in kept.items()}
+    tower = vision_activations(model, spec, step.patches, b)  # kept from the tower's forward to its backward
+    activations = {mode: sum(layers) + nbytes(mtp.none, mtp.none_fp32) + tower[mode] for mode, layers in kept.items()}
     routed_buffers = 2 * N * args.num_experts_per_tok * args.hidden_size * b
 
     V, D = args.vocab_size, args.hidden_size
@@ -372,6 +397,32 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
                   peak=moments[phase], peak_phase=phase)
 
 
+def vision_activations(model: nn.Module, spec: models.ModelSpec, patches: int, b: int) -> dict[str, int]:
+    """Bytes a vision tower keeps for backward over ``patches`` patches, per checkpointing mode (its blocks are
+    checkpointed as the decoder's: under full each keeps its input); its parts outside the blocks are never
+    checkpointed."""
+    tower = spec.vision_tower(model)
+    if tower is None or not patches:
+        return {"none": 0, "selective": 0, "full": 0}
+    blocks = [block.saved_activations() for _, block in spec.named_vision_blocks(model)]
+    own = tower.saved_activations()
+
+    def nbytes(elements: int, fp32: int) -> int:
+        return patches * (elements * b + fp32 * FP32)
+
+    rest = nbytes(own.none, own.none_fp32)
+    return {"none": rest + sum(nbytes(a.none, a.none_fp32) for a in blocks),
+            "selective": rest + sum(nbytes(a.selective, a.selective_fp32) for a in blocks),
+            "full": rest + len(blocks) * nbytes(tower.args.hidden_size, 0)}
+
+
+def vision_patches(args: Any, window_tokens: int, machine: PlanConfig) -> int:
+    """Patches a rank's vision tower runs per micro-batch: those of a whole window of ``window_tokens`` (under CP
+    every cp rank runs them all), at ``machine.image_token_share`` image tokens; 0 without a tower."""
+    vision = getattr(args, "vision_config", None)
+    return 0 if vision is None else round(machine.image_token_share * window_tokens) * vision.merge_unit
+
+
 def _unsharded_memory(params: int, grads: int, optimizer: int, activations: int, recompute: int, routed: int,
                       lm_head: int, tail_grads: int, compute_copies: int, backend: str) -> Memory:
     """parallel.backend none or ddp: every parameter whole on each rank. Under bf16 each parameter is also held in
@@ -401,9 +452,9 @@ def causal_flops_per_token(args: Any, seq_len: int) -> float:
 
 
 def build_meta_model(cfg: TrainConfig) -> tuple[models.ModelSpec, nn.Module]:
-    """The configured model on the meta device: shapes only, no memory."""
+    """The configured model on the meta device (its vision tower where model.vision=true): shapes only, no memory."""
     spec = models.get_spec(cfg.model.model_type)
-    args = models.build_args(cfg.model.model_type, dict(cfg.model.arch))
+    args = models.build_args(cfg.model.model_type, dict(cfg.model.arch), cfg.model.vision)
     with torch.device("meta"):
         return spec, spec.model_cls(args)
 
@@ -452,12 +503,16 @@ def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, n
                      compute_bytes=FP32 if cfg.train.mixed_precision == "fp32" else 2,
                      checkpoint=cfg.parallel.activation_checkpoint, dispatcher=cfg.dispatcher.name,
                      moment_bytes=2 if cfg.optim.state_dtype == "bfloat16" else FP32,
-                     backend=cfg.parallel.backend.name)
+                     backend=cfg.parallel.backend.name,
+                     patches=vision_patches(args, cfg.train.local_batch_size * cfg.data.seq_len, machine))
     units = fsdp_units(model, spec, s, step.backend)
     comms = collectives(model, spec, units, s, step, machine)
     tokens = step.tokens * step.micro_batches
     recompute = FULL_CHECKPOINT_RECOMPUTE if step.checkpoint == "full" else 1.0
     compute_s = tokens * causal_flops_per_token(args, cfg.data.seq_len) * recompute / (machine.tflops * 1e12)
+    if step.patches:  # the vision tower: per patch, with attention within its image
+        compute_s += (step.patches * step.micro_batches * args.vision_config.flops_per_patch(machine.image_patches)
+                      * recompute / (machine.tflops * 1e12))
     # AdamW reads parameter (fp32), gradient (fp32) and both moments and writes parameter and moments back.
     optimizer_s = sum(u.shard for u in units) * (3 * FP32 + 4 * step.moment_bytes) / (machine.hbm_gb_s * 1e9)
     exposed = sum(c.seconds for c in comms if c.exposed)

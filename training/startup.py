@@ -184,24 +184,18 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
 
 
 def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
-    """The family's spec and hyper-parameters as the run builds them (``models.with_vision``: the vision tower only
-    with model.vision=true): the preset, or the config.json of model.init_from (model=hf)."""
-    spec, args = _resolve_arch(cfg)
-    return spec, models.with_vision(args, cfg.model.vision)
-
-
-def _resolve_arch(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
-    """The family's spec and hyper-parameters: the preset, or the config.json of model.init_from (model=hf)."""
+    """The family's spec and hyper-parameters: the preset, or the config.json of model.init_from (model=hf); the
+    vision tower's only with model.vision=true (``models.build_args``)."""
     m = cfg.model
     if m.init_from is None:
-        return models.get_spec(m.model_type), models.build_args(m.model_type, dict(m.arch))
+        return models.get_spec(m.model_type), models.build_args(m.model_type, dict(m.arch), m.vision)
     hf_config = read_hf_config(m.init_from)
     if m.name == "hf":  # model.arch keys given as well (a training knob: mtp_loss_weight) apply over config.json's
-        model_type, args = args_from_hf_config(hf_config)
+        model_type, args = args_from_hf_config(hf_config, m.vision)
         if m.arch:
-            args = models.build_args(model_type, {**dataclasses.asdict(args), **m.arch})
+            args = models.build_args(model_type, {**dataclasses.asdict(args), **m.arch}, m.vision)
         return models.get_spec(model_type), args
-    args = models.build_args(m.model_type, dict(m.arch))
+    args = models.build_args(m.model_type, dict(m.arch), m.vision)
     for line in preset_differences(args, hf_config):
         logger.warning("model=%s differs from %s/config.json: %s", m.name, m.init_from, line)
     return models.get_spec(m.model_type), args

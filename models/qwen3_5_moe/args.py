@@ -86,6 +86,15 @@ class VisionArgs:
         merger = 2 * D + (M * M + M) + (M * self.out_hidden_size + self.out_hidden_size)
         return self.patch_dim * D + D + self.num_position_embeddings * D + self.depth * block + merger
 
+    def flops_per_patch(self, image_patches: int) -> float:
+        """Training FLOPs per patch (forward + backward, 3 x forward): 6 x the matmul parameters each patch passes
+        (patch embedding, blocks; the merger's once per merged token), plus attention over an image of
+        ``image_patches`` patches, 12 x hidden x image_patches per block (scores and values, no causal halving)."""
+        D, I, M = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
+        matmuls = self.patch_dim * D + self.depth * (4 * D * D + 2 * D * I) + (M * M + M * self.out_hidden_size) // \
+            self.merge_unit
+        return 6 * matmuls + 12 * self.depth * D * image_patches
+
 
 @dataclass
 class Qwen3_5MoeArgs(MoeArgs):
