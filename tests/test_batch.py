@@ -1,6 +1,8 @@
 """``prepare_batches`` keeps its order (training/batch.py): documents and the MTP shift from the whole window, then the
 cp split. Each check builds the batches in the documented order by hand and also in the order a change would
-bring, and shows that the two differ on this data, so that the test fails if the order changes."""
+bring, and shows that the two differ on this data, so that the test fails if the order changes. Windows with images
+(the loader's for data with images: [4, B, T] position ids, ``pixel_values``, ``image_grid_thw``): documents from the
+text row, the images whole on every cp rank, each rank's image tokens its shard's."""
 
 from __future__ import annotations
 
@@ -61,3 +63,64 @@ def test_trained_rows_are_each_shards_own() -> None:
     # rank 0 holds the masked prompt (row 1, tokens 0-2); rank 1 trains every label it holds
     assert firsts[0].trained_rows.tolist() == [0, 1, 2, 3, 7]
     assert firsts[1].trained_rows is None
+
+
+VISION_ARGS = build_args("qwen3_5_moe", {
+    "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 2,
+                      "out_hidden_size": 32, "num_position_embeddings": 16, "image_token_id": 252,
+                      "video_token_id": 253, "vision_start_token_id": 250, "vision_end_token_id": 251}},
+    vision=True)
+
+
+def _image_window() -> dict[str, torch.Tensor]:
+    """Two rows of 12 packing two documents each, as the loader yields data with images: [4, B, T] position ids,
+    images of 2 x 4 and 4 x 4 patches (2 and 4 tokens); the second image's tokens cross the cp2 border at 6."""
+    ids = torch.arange(24).reshape(2, 12) + 10
+    ids[0, 2:6] = torch.tensor([250, 252, 252, 251])
+    ids[1, 3:9] = torch.tensor([250, 252, 252, 252, 252, 251])
+    text = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]])
+    rope = text.expand(3, 2, 12).clone()  # the 3-D rows: any values (the data side's), distinct from the text row
+    rope[1:, :, 3:5] += 5
+    patch_dim = VISION_ARGS.vision_config.patch_dim
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.cat([text[None], rope]),
+            "pixel_values": torch.randn(8 + 16, patch_dim), "image_grid_thw": torch.tensor([[1, 2, 4], [1, 4, 4]])}
+
+
+def test_multimodal_windows_documents_from_the_text_row_and_images_whole_on_every_cp_rank() -> None:
+    from models.qwen3_5_moe.vision import insert_images
+
+    window = _image_window()
+    text = {k: v for k, v in window.items() if k not in ("pixel_values", "image_grid_thw")}
+    text["position_ids"] = window["position_ids"][0]
+    whole, = prepare_batches([window], VISION_ARGS, cp_rank=0, cp=1, dev=CPU, mtp=True)
+    plain, = prepare_batches([text], VISION_ARGS, cp_rank=0, cp=1, dev=CPU, mtp=True)
+    assert torch.equal(whole.packed.lengths_n, plain.packed.lengths_n)  # [7, 5, 10, 2]: row 0 of [4, B, T]
+    assert torch.equal(whole.mtp.labels_BT, plain.mtp.labels_BT)  # the MTP shift's document ends likewise
+    assert whole.attended_flops == plain.attended_flops
+    assert plain.images is None and whole.images.token_rows_n is None  # text data: no images; one rank: all tokens
+    tokens_UD = torch.arange(1, 7, dtype=torch.float)[:, None]  # the window's 6 merged tokens, told apart
+    want_BT1 = insert_images(torch.zeros(2, 12, 1), tokens_UD, whole.images)
+    assert want_BT1.flatten().tolist().count(0) == 24 - 6
+    shards = []
+    for rank in range(2):
+        batch, = prepare_batches([window], VISION_ARGS, cp_rank=rank, cp=2, dev=CPU, mtp=False)
+        assert torch.equal(batch.pixel_values, window["pixel_values"])  # unsplit: every cp rank runs every image
+        assert batch.position_ids.shape == (4, 2, 6)
+        shards.append(insert_images(torch.zeros(2, 6, 1), tokens_UD, batch.images))
+    assert torch.equal(torch.cat(shards, dim=1), want_BT1)  # each rank keeps its shard's image tokens
+
+
+def test_a_window_whose_pad_tokens_do_not_count_its_images_or_a_model_without_a_tower_is_refused() -> None:
+    import pytest
+
+    window = _image_window()
+    window["image_grid_thw"] = torch.tensor([[1, 2, 4], [1, 2, 4]])
+    window["pixel_values"] = window["pixel_values"][:16]
+    with pytest.raises(ValueError, match="6 image pad tokens .* images of 4 merged patches"):
+        prepare_batches([window], VISION_ARGS, cp_rank=0, cp=1, dev=CPU, mtp=False)
+    empty = {**_image_window(), "pixel_values": torch.zeros(0, 24), "image_grid_thw": torch.zeros(0, 3)}
+    with pytest.raises(ValueError, match="no vision tower: train with model.vision=true"):
+        prepare_batches([empty], ARGS, cp_rank=0, cp=1, dev=CPU, mtp=False)

@@ -240,7 +240,8 @@ def check_resumed_config(state: dict[str, Any], run_config: dict[str, Any], glob
     saved_batch = state.get("global_batch_size")
     saved = upgrade_config(flat_config(state["config"], saved_batch))
     for key, default in schema_defaults(saved.get("model.model_type")).items():
-        saved.setdefault(key, default)  # keys added since the checkpoint: their defaults are what it did
+        if not any(k.startswith(key + ".") for k in saved):  # a group saved as its keys (model.arch.vision_config.*)
+            saved.setdefault(key, default)  # keys added since the checkpoint: their defaults are what it did
     current = flat_config(run_config, global_batch if saved_batch is not None else None)
     for line in check_resume_config(saved, current, allow, str(source)):
         if log:

@@ -1,0 +1,169 @@
+"""Qwen3.5 with its vision tower through train.run, one process, on token data with images (tests/vision_data.py):
+exact resume (held-out windows with images evaluated too), model.freeze_vision (the tower unchanged, no optimizer
+state), optim.vision_lr_scale (the tower's first update scaled), the tower loaded from and exported into a multimodal
+checkpoint's layout, and the export of a preset run loading in transformers' AutoModelForImageTextToText and
+generating from an image prompt the tokens our model does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+import train
+from models import build_args, get_spec
+from models.hf_io import export_hf
+from models.qwen3_5_moe.vision import vision_inputs
+from tests.conftest import compose_config, write_tokens
+from tests.vision_data import END, IMAGE, START, images_in_token_data, rope_index, vision_overrides
+from training.startup import resolve_model
+
+TINY = ["model=qwen35_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
+        "model.arch.moe_intermediate_size=16", "model.arch.shared_expert_intermediate_size=16", "model.tokenizer=none"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("vision-train")
+    write_tokens(tmp / "tokens.npy", 8192)
+    return tmp
+
+
+def config(tmp: Path, run: str, *overrides: str):
+    return compose_config([
+        *TINY, *vision_overrides(), "data=tokens", f"data.path={tmp / 'tokens.npy'}", "data.seq_len=32",
+        f"data.cache_dir={tmp / 'cache'}", f"train.output_dir={tmp / run}", "train.local_batch_size=4",
+        "optim.warmup_steps=0", "optim.lr=1e-2", "logging.tensorboard=false", "train.device=cpu",
+        "train.mixed_precision=fp32", *overrides])
+
+
+def run(cfg) -> list[dict]:
+    with images_in_token_data(resolve_model(cfg)[1].vision_config):
+        return train.run(cfg)
+
+
+def seeded_source(tmp: Path) -> Path:
+    """A multimodal checkpoint (our export of a seeded model with its tower: the published layout)."""
+    path = tmp / "source"
+    if not (path / "config.json").is_file():
+        cfg = config(tmp, "init")
+        model = get_spec("qwen3_5_moe").model_cls(build_args("qwen3_5_moe", dict(cfg.model.arch), vision=True))
+        model.init_weights(seed=7)
+        export_hf(model, "qwen3_5_moe", path)
+    return path
+
+
+@pytest.mark.torch_apis  # DCP's save and load, exactly
+def test_resume_with_images_is_exact(data):
+    # Held-out windows with images evaluated every 2 steps; the tower at half the learning rate.
+    extra = ["train.steps=4", "data.eos_id=0", "data.val_fraction=0.2", "train.eval_every=2", "train.eval_batches=1",
+             "optim.vision_lr_scale=0.5"]
+    full = run(config(data, "full", *extra, "checkpoint.interval=2"))  # saving changes nothing of the run
+    step2 = data / "full" / "checkpoints" / "step_00000002"
+    resumed = run(config(data, "resumed", *extra, f"train.resume={step2}"))
+    assert [m["step"] for m in resumed] == [3, 4]
+    for got, want in zip(resumed, full[2:]):  # bit for bit: the tower's weights and moments restored too
+        assert (got["loss"], got["grad_norm"], got["val_loss"] if "val_loss" in got else None) == \
+            (want["loss"], want["grad_norm"], want.get("val_loss"))
+    assert "val_loss" in full[-1]
+
+
+def test_freeze_vision_keeps_the_tower_and_no_optimizer_state(data):
+    source = seeded_source(data)
+    run(config(data, "frozen", f"model.init_from={source}", "model.freeze_vision=true", "train.steps=2",
+               "checkpoint.interval=2"))
+    start = load_file(data / "frozen" / "model.safetensors")
+    exported = {k.removeprefix("model.visual."): v for k, v in load_file(source / "model.safetensors").items()
+                if k.startswith("model.visual.")}
+    tower = {k.removeprefix("visual."): v for k, v in start.items() if k.startswith("visual.")}
+    assert tower.keys() == exported.keys() and all(torch.equal(tower[k], exported[k]) for k in tower)
+    text = load_file(data / "frozen" / "model.safetensors")["model.embed_tokens.weight"]
+    assert not torch.equal(text, load_file(source / "model.safetensors")["model.language_model.embed_tokens.weight"])
+    keys = FileSystemReader(str(data / "frozen" / "checkpoints" / "step_00000002")).read_metadata().state_dict_metadata
+    assert any(k.startswith("optim.state.model.") for k in keys)
+    assert not any(k.startswith("optim.state.visual.") for k in keys)
+
+
+def test_vision_lr_scale_scales_the_towers_first_update(data):
+    source = seeded_source(data)
+    before = load_file(source / "model.safetensors")
+    moved = {}
+    for scale in (1.0, 0.25):
+        cfg = config(data, f"scale-{scale}", f"model.init_from={source}", "train.steps=1", "optim.grad_clip=0",
+                     f"optim.vision_lr_scale={scale}")
+        run(cfg)
+        after = load_file(data / f"scale-{scale}" / "model.safetensors")
+        moved[scale] = {"tower": after["visual.blocks.0.attn.qkv.weight"] - before["model.visual.blocks.0.attn.qkv.weight"],
+                        "text": after["model.layers.0.mlp.shared_expert.up_proj.weight"]
+                        - before["model.language_model.layers.0.mlp.shared_expert.up_proj.weight"]}
+    # AdamW's first update is lr x (g / (|g| + eps) + weight_decay x p): linear in the lr.
+    torch.testing.assert_close(moved[0.25]["tower"], 0.25 * moved[1.0]["tower"], rtol=1e-4, atol=1e-9)
+    assert moved[1.0]["tower"].abs().max() > 1e-3
+    torch.testing.assert_close(moved[0.25]["text"], moved[1.0]["text"], rtol=0, atol=0)
+
+
+def exported_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export (one file, or shards: the tensors trained and those carried are written apart)."""
+    return {name: t for file in sorted(path.glob("model*.safetensors")) for name, t in load_file(file).items()}
+
+
+def hf_run(data: Path, source: Path, name: str, *overrides: str):
+    """model=hf from ``source`` with its tower (model.vision=true), exported at the end."""
+    return compose_config([
+        "model=hf", f"model.init_from={source}", "model.tokenizer=none", "model.vision=true", "data=tokens",
+        f"data.path={data / 'tokens.npy'}", "data.seq_len=32", f"data.cache_dir={data / 'cache'}",
+        f"train.output_dir={data / name}", "train.local_batch_size=4", "logging.tensorboard=false",
+        "train.device=cpu", "train.mixed_precision=fp32", "optim.warmup_steps=0", "optim.lr=1e-2",
+        "checkpoint.export_hf_at_end=true", "checkpoint.at_end=false", *overrides])
+
+
+def test_the_tower_loads_from_a_multimodal_checkpoint_and_exports_into_its_layout(data):
+    source = seeded_source(data)
+    src = load_file(source / "model.safetensors")
+    run(hf_run(data, source, "loaded", "train.steps=0", "checkpoint.export_hf_at_end=false"))
+    weights = load_file(data / "loaded" / "model.safetensors")
+    tower = [name for name in weights if name.startswith("visual.")]
+    assert tower and all(torch.equal(weights[name], src[f"model.{name}"]) for name in tower)
+    run(hf_run(data, source, "trained", "train.steps=2"))
+    weights = load_file(data / "trained" / "model.safetensors")
+    exported = exported_tensors(data / "trained" / "hf")
+    assert exported.keys() == src.keys()
+    for name in tower:  # the trained tower, in the source's names
+        assert torch.equal(exported[f"model.{name}"], weights[name]), name
+    assert not torch.equal(exported["model.visual.blocks.0.attn.qkv.weight"],
+                           src["model.visual.blocks.0.attn.qkv.weight"])
+    assert (data / "trained" / "hf" / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    # (Text data, no tower built: the source's tower is carried byte for byte: tests/test_qwen35_export.py.)
+
+
+def test_the_export_generates_from_an_image_what_our_model_does(data):
+    cfg = config(data, "export", "train.steps=2", "checkpoint.export_hf_at_end=true", "checkpoint.at_end=false")
+    run(cfg)
+    hf_dir = data / "export" / "hf"
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    args = resolve_model(cfg)[1]
+    ours = get_spec("qwen3_5_moe").model_cls(args).eval()
+    ours.load_state_dict(load_file(data / "export" / "model.safetensors"))
+    vision = args.vision_config
+    grid = torch.tensor([[1, 4, 6]])  # 6 tokens
+    pixels = torch.randn(24, vision.patch_dim, generator=torch.Generator().manual_seed(5))
+    prompt = torch.tensor([[11, 12, START, *[IMAGE] * 6, END, 13, 14, 15]])
+    new = 6
+    with torch.no_grad():
+        out = hf.generate(input_ids=prompt, pixel_values=pixels, image_grid_thw=grid,
+                          mm_token_type_ids=(prompt == IMAGE).int(), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False)[0, prompt.shape[1]:].tolist()
+        ids = prompt
+        for _ in range(new):  # our greedy decode: the whole sequence again at each token (no cache)
+            T = ids.shape[1]
+            positions = torch.cat([torch.arange(T)[None, None], rope_index(ids[0], [(1, 4, 6)], 2)[:, None]])
+            images = vision_inputs(pixels, grid, vision, torch.device("cpu"), (ids[0] == IMAGE).nonzero().squeeze(1))
+            logits = ours(ids, positions, images=images).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert ids[0, prompt.shape[1]:].tolist() == out
