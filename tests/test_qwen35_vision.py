@@ -196,3 +196,26 @@ def test_vision_config_checks_name_the_key(key, value, match) -> None:
     with pytest.raises(ValueError, match=f"model.arch.vision_config.{key}.*{match}"):
         build_args("qwen3_5_moe", arch, vision=True)
     assert build_args("qwen3_5_moe", arch).vision_config is None  # not built (model.vision=false): not checked
+
+
+def test_the_planner_counts_the_towers_units_activations_and_time() -> None:
+    from tests.conftest import compose_config
+    from training.planner import PlanConfig, build_meta_model, plan
+
+    base = ["model=qwen35_moe", "model.arch.num_hidden_layers=4", "parallel=ep2", "data.seq_len=4096",
+            "train.local_batch_size=2", "train.mixed_precision=bf16", "parallel.activation_checkpoint=selective"]
+    machine = PlanConfig(gpus=2)
+    text, vision = plan(compose_config(base), machine), plan(compose_config([*base, "model.vision=true"]), machine)
+    tower = build_meta_model(compose_config([*base, "model.vision=true"]))[1].visual
+    units = {u.name: u for u in vision.units}
+    assert {u.name for u in vision.units} - {u.name for u in text.units} == {"vision", *(f"vision block {i}"
+                                                                                       for i in range(27))}
+    assert sum(u.numel for name, u in units.items() if name.startswith("vision")) == \
+        sum(p.numel() for p in tower.parameters())
+    assert any(c.what == "vision" and c.kind == "all_gather" for c in vision.collectives)  # sharded over fsdp 2
+    # A window's 8,192 tokens, a quarter of them image tokens of 4 patches: 8,192 patches through the tower.
+    patches = 8192
+    block = tower.blocks[0].saved_activations()
+    grown = vision.memory.activations["selective"] - text.memory.activations["selective"]
+    assert grown >= patches * 27 * (2 * block.selective + 4 * block.selective_fp32)
+    assert vision.compute_s > text.compute_s
