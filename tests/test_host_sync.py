@@ -86,9 +86,25 @@ class SyncRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+# Qwen3.5 with its vision tower, on token data with images (tests/vision_data.py): the tower's index tables are the
+# host's (models.qwen3_5_moe.vision.vision_inputs), so its forward and backward read nothing either.
+VISION = ["model=qwen35_moe_debug", "model.arch.hidden_size=32", "model.arch.head_dim=8",
+          "model.arch.moe_intermediate_size=16", "model.arch.shared_expert_intermediate_size=16",
+          "model.tokenizer=none", "data.seq_len=32", "optim.state_dtype=float32"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS + ["vision"])
 def test_one_train_step_syncs_only_where_listed(tiny_run_config, monkeypatch, optimizer: str) -> None:
-    cfg = tiny_run_config("train.steps=2", "logging.routing_every=0", "logging.log_every=100", optimizer)
+    if optimizer == "vision":
+        from tests.vision_data import WithImages, vision_overrides
+        from training.startup import resolve_model
+
+        cfg = tiny_run_config("train.steps=2", "logging.routing_every=0", "logging.log_every=100", *VISION,
+                              *vision_overrides())
+        vision, loader = resolve_model(cfg)[1].vision_config, train.build_data_loader
+        monkeypatch.setattr(train, "build_data_loader", lambda *a, **k: WithImages(loader(*a, **k), vision))
+    else:
+        cfg = tiny_run_config("train.steps=2", "logging.routing_every=0", "logging.log_every=100", optimizer)
     recorder = SyncRecorder()
     tolist = torch.Tensor.tolist
 

@@ -42,16 +42,16 @@ class GatedRMSNorm(RMSNorm):
         return self.norm_fn(x, z, self.weight, self.eps)
 
 
-def mrope_streams(rotary_dim: int, mrope_section: list[int]) -> torch.Tensor:
-    """Which position stream (0 t, 1 h, 2 w) drives each of the ``rotary_dim`` channels.
+def mrope_streams(rotary_dim: int, mrope_section: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """Which position stream (0 t, 1 h, 2 w) drives each of the ``rotary_dim`` channels, built on ``device`` (no
+    host tensor copied to it, no mask indexing: nothing in a training step's forward waits for the device).
 
     transformers' interleaved layout: frequency j belongs to h if j % 3 == 1 and j < 3 * section_h, to w if
     j % 3 == 2 and j < 3 * section_w, else to t; both halves of the rotary channels repeat that pattern.
     """
-    j = torch.arange(rotary_dim // 2)
-    stream = torch.zeros_like(j)  # per frequency: [r / 2]
-    stream[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    stream[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    j = torch.arange(rotary_dim // 2, device=device)
+    stream = torch.where((j % 3 == 1) & (j < 3 * mrope_section[1]), 1,
+                         torch.where((j % 3 == 2) & (j < 3 * mrope_section[2]), 2, 0))  # per frequency: [r / 2]
     return torch.cat((stream, stream))
 
 
@@ -64,7 +64,7 @@ def mrope_cos_sin(position_ids: torch.Tensor, args: Qwen3_5MoeArgs, dtype: torch
     if position_ids.dim() != 3 or position_ids.shape[0] != 3:
         raise ValueError(f"position_ids must be [B, T] or [3, B, T], got {tuple(position_ids.shape)}")
     cos_3BTr, sin_3BTr = rotary_cos_sin(position_ids, args.rotary_dim, args.rope_theta, dtype)
-    stream_r = mrope_streams(args.rotary_dim, args.mrope_section).to(position_ids.device)
+    stream_r = mrope_streams(args.rotary_dim, args.mrope_section, position_ids.device)
     pick_1BTr = stream_r.expand(1, *cos_3BTr.shape[1:])
     return cos_3BTr.gather(0, pick_1BTr)[0], sin_3BTr.gather(0, pick_1BTr)[0]
 
