@@ -8,7 +8,8 @@ model, layout and number of GPUs, on the CPU in about a second (the model is bui
 
 Takes train.py's overrides (the same Hydra config) plus ``plan.*`` (``training.planner.PlanConfig``: gpus (by
 default launch.nproc_per_node where set, else the smallest world the layout needs; the first line says which),
-gpus_per_node, nvlink_gb_s, internode_gb_s, tflops, hbm_gb_s, capacity_gib, sweep). What the numbers assume and
+gpus_per_node, nvlink_gb_s, internode_gb_s, tflops, hbm_gb_s, capacity_gib, sweep; with model.vision=true
+image_token_share and image_patches). What the numbers assume and
 where they were checked against the H200s: docs/scaling.md.
 """
 

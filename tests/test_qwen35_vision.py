@@ -219,3 +219,14 @@ def test_the_planner_counts_the_towers_units_activations_and_time() -> None:
     grown = vision.memory.activations["selective"] - text.memory.activations["selective"]
     assert grown >= patches * 27 * (2 * block.selective + 4 * block.selective_fp32)
     assert vision.compute_s > text.compute_s
+
+
+def test_the_tests_rope_index_is_transformers_get_rope_index() -> None:
+    """tests/vision_data.py's rope_index (the windows of the layout and training tests) against transformers'."""
+    from tests.vision_data import rope_index
+
+    hf = transformers.Qwen3_5MoeForConditionalGeneration(_hf_model_config())
+    grids = [(1, 4, 6), (1, 2, 2), (2, 6, 4)]  # the last of two frames
+    ids_T = torch.tensor([1, 2, START, *[IMAGE] * 6, END, 3, START, IMAGE, END, 4, START, *[IMAGE] * 12, END, 5, 6])
+    want, _ = hf.model.get_rope_index(ids_T[None], (ids_T[None] == IMAGE).int(), image_grid_thw=torch.tensor(grids))
+    assert torch.equal(rope_index(ids_T, grids, 2, image_token_id=IMAGE), want[:, 0])

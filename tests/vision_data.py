@@ -1,7 +1,7 @@
-"""Windows with images for the model tests, built by hand as the loader will yield them (the data side's
-``/work/notes``-fixed interface; ``docs/data.md``): until the image data lands, ``with_images`` wraps the token
-loader of ``data=tokens`` and puts an image into some rows of each window, with ``pixel_values``,
-``image_grid_thw`` and [4, B, T] position ids whose rows 1..3 are transformers' own ``get_rope_index``.
+"""Windows with images for the model tests, built by hand as the loader yields them for data with images
+(``docs/data.md``): until the image data lands, ``WithImages`` wraps the token loader of ``data=tokens`` and puts an
+image into some rows of each window, with ``pixel_values``, ``image_grid_thw`` and [4, B, T] position ids whose rows
+1..3 are the 3-D rope positions (``rope_index``, checked against transformers' ``get_rope_index``).
 
 Each row's image (whether it has one, its grid, its pixels, where it goes) follows from the row's tokens alone, so
 every layout and a resume see the same images in the same rows whatever rank reads them.
@@ -10,7 +10,6 @@ every layout and a resume see the same images in the same rows whatever rank rea
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 import zlib
 from typing import Any, Iterator
@@ -34,17 +33,25 @@ def vision_overrides(hidden_size: int = 32) -> list[str]:
             *(f"model.arch.vision_config.{key}={value}" for key, value in TOKEN_IDS.items())]
 
 
-def rope_index(input_ids_T: torch.Tensor, grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
-    """[3, T]: transformers' ``Qwen3_5MoeModel.get_rope_index`` of one document with images of ``grids``."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel
-
-    fake = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(
-        spatial_merge_size=merge)))
-    fake.get_vision_position_ids = functools.partial(Qwen3_5MoeModel.get_vision_position_ids, fake)
-    ids_1T = input_ids_T[None]
-    grid = torch.tensor(grids, dtype=torch.long) if grids else None
-    positions_31T, _ = Qwen3_5MoeModel.get_rope_index(fake, ids_1T, (ids_1T == IMAGE).int(), image_grid_thw=grid)
-    return positions_31T[:, 0]
+def rope_index(input_ids_T: torch.Tensor, grids: list[tuple[int, int, int]], merge: int,
+               image_token_id: int = IMAGE) -> torch.Tensor:
+    """[3, T]: the 3-D rope positions of one document with images of ``grids`` (in order), as transformers'
+    ``Qwen3_5MoeModel.get_rope_index`` builds them (tests/test_qwen35_vision.py compares): a text token at the next
+    position; an image's merged tokens at (start + frame, start + row, start + column), after which the next position
+    is start + max(rows, columns). Until the data side's ``training.data.vision.rope_index`` (pure arithmetic too)."""
+    out = torch.empty(3, len(input_ids_T), dtype=torch.long)
+    images, pos, t = iter(grids), 0, 0
+    while t < len(input_ids_T):
+        if input_ids_T[t] != image_token_id:
+            out[:, t], pos, t = pos, pos + 1, t + 1
+            continue
+        frames, rows, cols = next(images)
+        rows, cols = rows // merge, cols // merge
+        f, r, c = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
+        n = frames * rows * cols
+        out[:, t:t + n] = torch.stack([f.flatten(), r.flatten(), c.flatten()]) + pos
+        pos, t = pos + max(rows, cols), t + n
+    return out
 
 
 def add_images(window: dict[str, torch.Tensor], vision: Any, seed: int = 0) -> dict[str, torch.Tensor]:
