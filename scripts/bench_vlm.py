@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -229,9 +230,12 @@ def run_transformers(args: argparse.Namespace) -> dict:
     margs = models.build_args(cfg.model.model_type, dict(cfg.model.arch), vision=True)
     dev_type = "cpu" if args.device == "cpu" else "cuda"
     dev = torch.device(dev_type, 0) if dev_type != "cpu" else torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo" if dev_type == "cpu" else "nccl", init_method="tcp://127.0.0.1:29517", rank=0,
-                                world_size=1, **({} if dev_type == "cpu" else {"device_id": dev}))
+    if not dist.is_initialized():  # FSDP2 over one rank
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        dist.init_process_group("gloo" if dev_type == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1, **({} if dev_type == "cpu" else {"device_id": dev}))
     config = transformers.Qwen3_5MoeConfig(**_hf_names(models.get_spec("qwen3_5_moe")).config_from_arch(margs))
     config.text_config.output_router_logits = True  # its loss with the router aux loss, as ours
     torch.manual_seed(0)

@@ -78,3 +78,36 @@ def test_a_stopped_bench_stops_its_trainer_first(tmp_path: Path) -> None:
                              *command[command.index("--steps") + 2:]], capture_output=True, text=True, timeout=240)
     assert second.returncode == 0 and "already holds a run" not in second.stdout + second.stderr, second.stderr[-3000:]
     assert len(list(out.glob("*/single-eager/metrics.jsonl"))) == 2
+
+
+def test_bench_vlm_windows_are_the_loaders_for_data_with_images() -> None:
+    """scripts/bench_vlm.py's synthetic windows: as the loader yields data with images (prepare_batches takes them:
+    the pad tokens count the images' merged patches), labels never a vision token, and the text row's windows the
+    same conversations with text in place of the images."""
+    import torch
+
+    from models import build_args
+    from tests.conftest import compose_config
+    from training.batch import prepare_batches
+
+    spec = importlib.util.spec_from_file_location("bench_vlm", REPO / "scripts" / "bench_vlm.py")
+    bench_vlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_vlm)
+    args = bench_vlm.build_parser().parse_intermixed_args(["--seq-len", "96", "--images", "2", "--image-size", "64",
+                                                          "--steps", "2", "--local-batch", "2"])
+    cfg = compose_config(["model=qwen35_moe_debug", "model.vision=true"])
+    margs = build_args(cfg.model.model_type, dict(cfg.model.arch), vision=True)
+    vision = margs.vision_config
+    with_images = bench_vlm.windows(args, vision, text_only=False)
+    text = bench_vlm.windows(args, vision, text_only=True)
+    for window, plain in zip(with_images, text):
+        ids, labels = window["input_ids"], window["labels"]
+        assert ids.shape == plain["input_ids"].shape == (2, 96) and window["position_ids"].shape == (4, 2, 96)
+        assert window["image_grid_thw"].tolist() == [[1, 4, 4]] * 4  # 64 pixels: 4 x 4 patches, 4 tokens each
+        vision_ids = [vision.image_token_id, vision.vision_start_token_id, vision.vision_end_token_id]
+        assert not torch.isin(labels, torch.tensor(vision_ids)).any()
+        assert not torch.isin(plain["input_ids"], torch.tensor(vision_ids)).any()
+        assert torch.equal(ids[~torch.isin(ids, torch.tensor(vision_ids))],
+                           plain["input_ids"][~torch.isin(ids, torch.tensor(vision_ids))])
+        batch, = prepare_batches([window], margs, 0, 1, torch.device("cpu"), mtp=False)
+        assert batch.images.token_positions_n.numel() == 16
