@@ -108,6 +108,7 @@ def test_multimodal_windows_documents_from_the_text_row_and_images_whole_on_ever
     for rank in range(2):
         batch, = prepare_batches([window], VISION_ARGS, cp_rank=rank, cp=2, dev=CPU, mtp=False)
         assert torch.equal(batch.pixel_values, window["pixel_values"])  # unsplit: every cp rank runs every image
+        assert torch.equal(batch.image_grid_thw, window["image_grid_thw"])
         assert batch.position_ids.shape == (4, 2, 6)
         shards.append(insert_images(torch.zeros(2, 6, 1), tokens_UD, batch.images))
     assert torch.equal(torch.cat(shards, dim=1), want_BT1)  # each rank keeps its shard's image tokens

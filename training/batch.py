@@ -38,6 +38,11 @@ class Batch:
         """The window's image patches [J, Y], unsplit, on the device (None: text-only data)."""
         return None if self.images is None or self.images.dummy else self.images.pixel_values_JY
 
+    @property
+    def image_grid_thw(self) -> torch.Tensor | None:
+        """The window's images' patch grids [images, 3], on the host (None: text-only data)."""
+        return None if self.images is None else self.images.grid_thw_A3
+
     def forward_kwargs(self) -> dict[str, Any]:
         images = {} if self.images is None else {"images": self.images}
         return {"packed": self.packed, "trained_rows": self.trained_rows, "mtp": self.mtp, **images}

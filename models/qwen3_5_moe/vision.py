@@ -47,6 +47,7 @@ class VisionInputs(NamedTuple):
     lengths_A: tuple[int, ...]  # patches of each attention segment (an image's frame), in order
     token_positions_n: Tensor  # where merged tokens go: flat indices into this rank's [B * t] tokens
     token_rows_n: Tensor | None  # which merged tokens go there (rows of the tower's output); None: all, in order
+    grid_thw_A3: Tensor  # each image's patch grid (t, h, w), on the host, as the loader gave it
     dummy: bool = False  # no image: a stand-in the tower runs on so that every rank runs it, contributing zero
 
 
@@ -56,7 +57,7 @@ def vision_inputs(pixel_values_JY: Tensor, grid_thw_A3: Tensor, args: VisionArgs
     as the loader yields them), queued to ``dev``. ``token_positions_n``: the flat positions (into [B * t]) of the
     image pad tokens this rank holds; ``token_rows_n``: which of the window's merged tokens they are (None: all of
     them, in order). No image (zero rows): a one-token dummy image of zeros, run for its (zero) gradient only."""
-    dummy = grid_thw_A3.shape[0] == 0
+    given, dummy = grid_thw_A3, grid_thw_A3.shape[0] == 0
     if dummy:
         grid_thw_A3 = torch.tensor([[1, args.spatial_merge_size, args.spatial_merge_size]])
         pixel_values_JY = torch.zeros(args.merge_unit, args.patch_dim)
@@ -72,7 +73,7 @@ def vision_inputs(pixel_values_JY: Tensor, grid_thw_A3: Tensor, args: VisionArgs
     queued = [queued_copy(x, dev) for x in (pixel_values_JY, rotary_positions(grid_thw_A3, args.spatial_merge_size),
                                             index_J4, weight_J4, token_positions_n)]
     rows = None if token_rows_n is None else queued_copy(token_rows_n, dev)
-    return VisionInputs(*queued[:4], lengths_A, queued[4], rows, dummy)
+    return VisionInputs(*queued[:4], lengths_A, queued[4], rows, given, dummy)
 
 
 def rotary_positions(grid_thw_A3: Tensor, merge: int) -> Tensor:
