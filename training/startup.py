@@ -195,10 +195,10 @@ def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
         if m.arch:
             args = models.build_args(model_type, {**dataclasses.asdict(args), **m.arch}, m.vision)
         return models.get_spec(model_type), args
-    args = models.build_args(m.model_type, dict(m.arch), m.vision)
-    for line in preset_differences(args, hf_config):
+    # The text models compared (a tower that differs is refused by name when its weights load)
+    for line in preset_differences(models.build_args(m.model_type, dict(m.arch)), hf_config):
         logger.warning("model=%s differs from %s/config.json: %s", m.name, m.init_from, line)
-    return models.get_spec(m.model_type), args
+    return models.get_spec(m.model_type), models.build_args(m.model_type, dict(m.arch), m.vision)
 
 
 def as_resumed(cfg: TrainConfig, resumed: dict[str, Any] | None) -> TrainConfig:
