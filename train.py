@@ -64,7 +64,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     model, param_counts, kernels = build_model(plan, dims, dev)
     optimizer = build_optimizer(model, cfg.optim)
     update = build_update(optimizer, model, cfg.optim.grad_clip)  # queued before the step's read, or after it
-    loader, val_batches = build_data(cfg, dims, plan.tokenizer, plan.model_args, dev)
+    loader, val_batches = build_data(cfg, dims, plan.tokenizer, plan.model_args.vocab_size)
     start = plan.start
     if start.checkpoint is not None:  # a resume: the model and optimizer first, then what the train state holds
         load_checkpoint(start.checkpoint, model, optimizer, start.state.get("files"))
@@ -222,14 +222,12 @@ def build_model(plan: RunPlan, dims: parallelisms.ParallelDims, dev: torch.devic
     return model, param_counts, kernels
 
 
-def build_data(cfg: TrainConfig, dims: parallelisms.ParallelDims, tokenizer: str | None, model_args: Any,
-               dev: torch.device):
-    """The training loader and the held-out batches (cp-sharded once, their images prepared once: every eval step
-    reads the same ones)."""
+def build_data(cfg: TrainConfig, dims: parallelisms.ParallelDims, tokenizer: str | None, vocab_size: int):
+    """The training loader and the held-out batches (cp-sharded once, their images kept whole: every eval step reads
+    the same ones)."""
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
-                               dp_rank=dims.dp_rank, dp_size=dims.dp, tokenizer=tokenizer,
-                               model_vocab_size=model_args.vocab_size)
-    val_batches = ([validation_shard(b, model_args, dims.cp_rank, dims.cp, dev)
+                               dp_rank=dims.dp_rank, dp_size=dims.dp, tokenizer=tokenizer, model_vocab_size=vocab_size)
+    val_batches = ([validation_shard(b, dims.cp_rank, dims.cp)
                     for b in loader.validation.batches(cfg.train.eval_batches)] if cfg.train.eval_every else [])
     return loader, val_batches
 

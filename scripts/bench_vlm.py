@@ -107,8 +107,8 @@ def windows(args: argparse.Namespace, vision, text_only: bool) -> list[dict]:
         labels[torch.cat([is_vision[:, 1:], torch.zeros(len(rows), 1, dtype=torch.bool)], 1)] = -100
         rope, _ = Qwen3_5MoeModel.get_rope_index(fake, ids, (ids == vision.image_token_id).int(),
                                                  image_grid_thw=grid_A3)
-        out.append({"input_ids": ids, "labels": labels, "position_ids": torch.cat([torch.arange(T).expand(1, *ids.shape),
-                                                                                  rope]),
+        text_row = torch.arange(T).expand(1, *ids.shape)
+        out.append({"input_ids": ids, "labels": labels, "position_ids": torch.cat([text_row, rope]),
                     "pixel_values": pixels, "image_grid_thw": grid_A3})
     return out
 

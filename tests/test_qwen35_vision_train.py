@@ -98,7 +98,8 @@ def test_vision_lr_scale_scales_the_towers_first_update(data):
                      f"optim.vision_lr_scale={scale}")
         run(cfg)
         after = load_file(data / f"scale-{scale}" / "model.safetensors")
-        moved[scale] = {"tower": after["visual.blocks.0.attn.qkv.weight"] - before["model.visual.blocks.0.attn.qkv.weight"],
+        tower = after["visual.blocks.0.attn.qkv.weight"] - before["model.visual.blocks.0.attn.qkv.weight"]
+        moved[scale] = {"tower": tower,
                         "text": after["model.layers.0.mlp.shared_expert.up_proj.weight"]
                         - before["model.language_model.layers.0.mlp.shared_expert.up_proj.weight"]}
     # AdamW's first update is lr x (g / (|g| + eps) + weight_decay x p): linear in the lr.

@@ -125,12 +125,10 @@ def image_tokens(input_ids_BT: torch.Tensor, grid_thw_A3: torch.Tensor, vision: 
     return shard["image"].flatten().nonzero().squeeze(1), shard["order"][shard["image"]]
 
 
-def validation_shard(window: dict[str, Any], model_args: Any, cp_rank: int, cp: int, dev: torch.device
-                     ) -> dict[str, Any]:
+def validation_shard(window: dict[str, torch.Tensor], cp_rank: int, cp: int) -> dict[str, Any]:
     """A held-out window as ``training.evaluate.validation_loss`` takes it: this cp rank's shard of its tokens, and
-    where the data has images, ``images``: the whole window's (``window_images``)."""
+    where the data has images, ``images``: what ``window_images`` makes of the whole window's, at each evaluation
+    (the model's vision hyper-parameters and the device are the evaluation's)."""
     window, pixels = split_images(window)
     shard = context_shard(window, cp_rank, cp)
-    if pixels is None:
-        return shard
-    return {**shard, "images": window_images(window["input_ids"], *pixels, model_args, cp_rank, cp, dev)}
+    return shard if pixels is None else {**shard, "images": (window["input_ids"], *pixels, cp_rank, cp)}

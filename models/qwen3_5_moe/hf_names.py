@@ -84,7 +84,8 @@ def config_from_arch(args: Qwen3_5MoeArgs) -> dict[str, Any]:
     text = {**config, **dict(_OFF)}
     if args.vision_config is None:
         return text
-    return {"text_config": {**text, "model_type": "qwen3_5_moe_text"}, "vision_config": _vision_config(args.vision_config),
+    return {"text_config": {**text, "model_type": "qwen3_5_moe_text"},
+            "vision_config": _vision_config(args.vision_config),
             "tie_word_embeddings": args.tie_word_embeddings,
             **{key: getattr(args.vision_config, key) for key in _TOKEN_DEFAULTS}}
 

@@ -128,7 +128,8 @@ class PatchEmbed(nn.Module):
 
 def vision_rotary(positions_J2: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos/sin [J, d] (fp32) of the 2-D rotary: head_dim / 4 frequencies over the row, the same over the column,
-    the two halves of the rotated channels each [row | column] (transformers' axial ``Qwen3_5MoeVisionRotaryEmbedding``)."""
+    the two halves of the rotated channels each [row | column] (transformers' axial
+    ``Qwen3_5MoeVisionRotaryEmbedding``)."""
     quarter = head_dim // 2
     inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, device=positions_J2.device, dtype=torch.float32) / quarter)
     freqs_J2f = positions_J2.float()[..., None] * inv_freq
