@@ -81,7 +81,7 @@ def prepare_batches(windows: list[dict[str, torch.Tensor]], model_args: Any, cp_
     return batches
 
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # a window's images: never split over cp (docs: vlm interface)
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # a window's images (docs/data.md): never split over cp
 
 
 def split_images(window: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
