@@ -587,7 +587,7 @@ def build_model(cfg: TrainConfig, spec: models.ModelSpec, model_args: Any, dims:
     if cfg.train.float8 != "none":  # on meta, before parallelize: AC, EP and FSDP wrap the FP8 modules as any others
         apply_float8(model, spec, cfg.train.float8, dev_type, ep=dims.ep, compiled=cfg.train.compile,
                      tokens=cfg.train.local_batch_size * cfg.data.seq_len // dims.cp)  # per rank, micro-batch
-    model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
+    model = parallelisms.parallelize_qwen3_moe(model, spec, dims, cfg.parallel,
                                            torch.bfloat16 if bf16 else torch.float32, torch.float32, cfg.dispatcher,
                                            compile_blocks=cfg.train.compile)
     if cfg.model.init_from is not None and load_init_from:
