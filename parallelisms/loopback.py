@@ -30,8 +30,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
+
+from core.torch_compat import premul_sum_factor, work_from_future
 
 BACKEND = "loopback"
 # Bytes of each collective's input by (kind, group name), summed over the process's calls (one rank's share).
@@ -41,7 +42,7 @@ COUNTED: collections.Counter = collections.Counter()
 def _done(result) -> dist.Work:
     future: Future = Future()
     future.set_result(result)
-    return _create_work_from_future(future)
+    return work_from_future(future)
 
 
 def _scale(t: torch.Tensor, op, n: int) -> None:
@@ -50,8 +51,8 @@ def _scale(t: torch.Tensor, op, n: int) -> None:
     R = dist.ReduceOp.RedOpType
     if kind == R.SUM:
         t.mul_(n)
-    elif kind == R.PREMUL_SUM and hasattr(op, "factor"):  # a custom divide factor as NCCL applies it (torch 2.13)
-        t.mul_(op.factor * n)
+    elif kind == R.PREMUL_SUM and (factor := premul_sum_factor(op)) is not None:  # a divide factor, as NCCL applies it
+        t.mul_(factor * n)
     elif kind == R.PRODUCT:
         t.pow_(n)
     elif kind not in (R.AVG, R.MAX, R.MIN, R.BAND, R.BOR):
