@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from core.device import dist_backend, local_device
 from core.torch_compat import concatenate_meshes, flatten_mesh, unflatten_mesh
 from parallelisms.config import ParallelConfig
-from parallelisms.validate import validate_sizes
+from parallelisms.validate import ONE_PROCESS, validate_sizes
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,7 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, rank: int, device_
     """Sizes from the config, and every mesh when there is more than one rank. ``simulated``: the ranks are the
     loopback world's. The sizes are checked first: a layout for more processes than were started (a multi-process
     preset without torchrun) is one line."""
-    validate_sizes(cfg, world_size, "; this is one process (WORLD_SIZE=1): start several with "
-                                    "launch.nproc_per_node=N, or torchrun --nproc-per-node N" if world_size == 1 else "")
+    validate_sizes(cfg, world_size, ONE_PROCESS if world_size == 1 else "")
     sizes = resolve_sizes(cfg, world_size)
     meshes = _build_meshes(sizes, device_type) if world_size > 1 else {}
     return ParallelDims(**vars(sizes), rank=rank, meshes=meshes, simulated=simulated)
