@@ -182,7 +182,7 @@ def _multimodal_batch(sources: list[Source], source_B: np.ndarray, windows_B: np
     labels_BT = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
     start_BT = np.zeros((B, T), dtype=bool)  # where a document starts (row 0 of the position ids)
     start_BT[:, 0] = True
-    pixels, grids = [], []
+    images: list[tuple[Images, ImageRecord]] = []  # the window's images, in the order of their tokens
     for b, (s_index, w) in enumerate(zip(source_B.tolist(), windows_B.tolist())):
         src = sources[s_index]
         if src.images is None:
@@ -200,19 +200,20 @@ def _multimodal_batch(sources: list[Source], source_B: np.ndarray, windows_B: np
             start_BT[b, length:length + 1] = True  # the padding: a document of its own
         if src.images is not None:
             lo, hi = np.searchsorted(src.images.starts, [start, start + length])
-            for record in src.images.records[lo:hi]:
-                try:
-                    pixels.append(record.pixels(vision.processing))
-                except ImageError as e:
-                    raise src.images.error(record, e) from None
-                grids.append(record.grid)
+            images += [(src.images, record) for record in src.images.records[lo:hi]]
     labels_BT[np.isin(labels_BT, vision.token_ids)] = IGNORE_INDEX
+    rows = [int(np.prod(record.grid)) for _, record in images]
+    pixel_values_PD = torch.empty(sum(rows), vision.processing.patch_dim)  # filled in place: no copy of a concat
+    offsets = np.cumsum([0, *rows]).tolist()
+    for (owner, record), a, z in zip(images, offsets[:-1], offsets[1:]):
+        try:
+            record.pixels(vision.processing, pixel_values_PD[a:z].numpy())
+        except ImageError as e:
+            raise owner.error(record, e) from None
     t_BT = np.broadcast_to(np.arange(T), (B, T))
     position_BT = t_BT - np.maximum.accumulate(np.where(start_BT, t_BT, 0), axis=1)
     input_ids_BT = torch.from_numpy(input_BT)
-    image_grid_thw_I3 = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-    pixel_values_PD = torch.from_numpy(np.concatenate(pixels) if pixels else
-                                       np.zeros((0, vision.processing.patch_dim), dtype=np.float32))
+    image_grid_thw_I3 = torch.tensor([record.grid for _, record in images], dtype=torch.long).reshape(-1, 3)
     position_ids_4BT = rope_index(input_ids_BT, torch.from_numpy(position_BT), image_grid_thw_I3,
                                   image_token_id=vision.image_token_id, merge_size=vision.processing.merge_size)
     return {"input_ids": input_ids_BT, "labels": torch.from_numpy(labels_BT), "position_ids": position_ids_4BT,

@@ -17,6 +17,7 @@ tokenizing worker processes import this.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -113,21 +114,37 @@ class ImageProcessing:
         """The settings as one string (a cache key)."""
         return json.dumps(asdict(self), sort_keys=True)
 
-    def __call__(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """(pixel_values [P, patch_dim] float32, (1, gh, gw)) of an RGB PIL image, as transformers computes them."""
+    @functools.cached_property
+    def _normalized(self) -> np.ndarray:
+        """[3, 256] float32: each channel's 8-bit value rescaled (in float64, then float32) and normalised (in
+        float32), the operations transformers applies to each pixel, tabulated."""
+        scaled = (np.arange(256, dtype=np.float64) * self.rescale_factor).astype(np.float32)
+        mean, std = np.array(self.image_mean, dtype=np.float32), np.array(self.image_std, dtype=np.float32)
+        return (scaled[None, :] - mean[:, None]) / std[:, None]
+
+    def __call__(self, image, out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """(pixel_values [P, patch_dim] float32, (1, gh, gw)) of an RGB PIL image, as transformers computes them:
+        the 8-bit pixels put in patch order first, then each one's value looked up (``_normalized``): the same
+        floats, 7x faster than normalising the image in float64 then copying it into patches. ``out``: where to
+        write them (P rows), else a new array."""
         from PIL import Image
 
         width, height = image.size
         h, w = self.resized(height, width)
         resized = np.asarray(image.resize((w, h), resample=Image.Resampling(self.resample)))  # [h, w, 3] uint8
-        scaled = (resized.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        mean, std = np.array(self.image_mean, dtype=np.float32), np.array(self.image_std, dtype=np.float32)
-        normalized = (scaled - mean) / std
         p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
-        patches = normalized.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)  # gh gw mh mw C
-        patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], tp, p, p))
-        return np.ascontiguousarray(patches.reshape(gh * gw, 3 * tp * p * p)), (1, gh, gw)
+        # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, p, p): merge groups, then channels, then the patch
+        patches = resized.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+        patches = patches.reshape(gh * gw, 3, 1, p * p)
+        if out is None:
+            out = np.empty((gh * gw, self.patch_dim), dtype=np.float32)
+        if out.shape != (gh * gw, self.patch_dim):
+            raise ValueError(f"{out.shape} rows given for {gh * gw} patches of {self.patch_dim}")
+        view = out.reshape(gh * gw, 3, tp, p * p)  # the still image repeated in time
+        for c in range(3):
+            view[:, c] = self._normalized[c][patches[:, c]]
+        return out, (1, gh, gw)
 
 
 def _read_json(path: Path) -> dict:
@@ -261,19 +278,19 @@ class ImageRecord:
     def from_json(cls, entry: dict[str, Any]) -> ImageRecord:
         return cls(**{**entry, "grid": tuple(entry["grid"])})
 
-    def pixels(self, processing: ImageProcessing) -> np.ndarray:
-        """The image's pixel_values [P, patch_dim] float32, read again; ImageError (one line, naming the file and the
-        line) if it is gone, unreadable or not the bytes tokenized."""
+    def pixels(self, processing: ImageProcessing, out: np.ndarray | None = None) -> np.ndarray:
+        """The image's pixel_values [P, patch_dim] float32 (into ``out`` where given), read again; ImageError (one
+        line, naming the file and the line) if it is gone, unreadable or not the bytes tokenized."""
         data = _read_bytes(Path(self.path))
         if len(data) != self.bytes or hashlib.sha256(data).hexdigest() != self.sha256:
             raise ImageError(f"changed since the corpus was tokenized ({len(data)} bytes, sha256 "
                              f"{hashlib.sha256(data).hexdigest()[:12]}..., tokenized: {self.bytes} bytes, "
                              f"{self.sha256[:12]}...); put the image back, or start a new run on the changed data")
         image = _rgb(_decoded(data, self.width * self.height))  # the bytes tokenized: within the limit then
-        pixel_values, grid = processing(image)
-        if grid != self.grid:
+        grid = processing.grid(image.height, image.width)
+        if grid != self.grid:  # another processing than the corpus was tokenized with
             raise ImageError(f"its patch grid is {grid} and was {self.grid} when tokenized")
-        return pixel_values
+        return processing(image, out)[0]
 
 
 def _read_bytes(path: Path) -> bytes:
