@@ -441,3 +441,23 @@ def test_image_settings_are_validated_in_one_place(tmp_path: Path) -> None:
         _loader(_cfg(text, image_max_pixels=1024), vision=None)
     with pytest.raises(ValueError, match=r"data.image_min_pixels leave images between 1,000,000 and 1,024 pixels"):
         _loader(_cfg(text, image_min_pixels=10**6))
+
+
+def test_images_are_recorded_beside_their_shards_and_a_resume_checks_them(tmp_path: Path) -> None:
+    """Tokenized over worker processes in shards, the images' records concatenate to the single-shard ones; a shard
+    whose records file is gone or changed is tokenized again."""
+    from training.data.tokenize_shards import JsonlCorpus, images_file
+
+    path = _corpus(tmp_path)
+    with path.open("a") as f:  # a last shard of text only
+        f.write("".join(json.dumps({"text": f"more text {i}"}) + "\n" for i in range(5)))
+    corpus = JsonlCorpus(path, _vision())
+    whole = tokenize_to_shards(corpus, tmp_path / "one", "qwen3_5")
+    sharded = tokenize_to_shards(corpus, tmp_path / "many", "qwen3_5", workers=2, docs_per_shard=5)
+    assert np.array_equal(whole.stream(tmp_path / "one"), sharded.stream(tmp_path / "many"))
+    assert whole.images(tmp_path / "one") == sharded.images(tmp_path / "many") and len(whole.images(tmp_path / "one"))
+    with_images = [s.file for s in sharded.shards if s.images_sha256]
+    assert 1 < len(with_images) < len(sharded.shards)  # the text-only shards have no records file
+    (tmp_path / "many" / images_file(with_images[0])).write_text("[]")
+    again = tokenize_to_shards(corpus, tmp_path / "many", "qwen3_5", docs_per_shard=5)
+    assert again.images(tmp_path / "many") == whole.images(tmp_path / "one")
