@@ -141,8 +141,9 @@ def test_pixels_equal_transformers_image_processor(tmp_path: Path) -> None:
     (tmp_path / "model" / "preprocessor_config.json").write_text(json.dumps(PUBLISHED))
     published = read_image_processing(tmp_path / "model")
     assert published == ImageProcessing() == ImageProcessing.for_tower(16, 2, 2)
-    for processing in (_vision().processing, published):
-        hf = _hf_image_processor(processing)
+    # what transformers loads for that file (its PIL backend: the one without torchvision), the tiny settings by hand
+    loaded = transformers.AutoImageProcessor.from_pretrained(tmp_path / "model", backend="pil")
+    for processing, hf in ((_vision().processing, _hf_image_processor(_vision().processing)), (published, loaded)):
         for path in paths:
             vision = dataclasses.replace(_vision(), processing=processing)
             record = _inspect(path, vision)
