@@ -278,6 +278,33 @@ def test_windows_keep_images_whole_and_yield_the_interface(tmp_path: Path) -> No
     assert shortened > 0 and 0 < seen <= len(records)
 
 
+def test_the_layout_never_cuts_an_image_on_random_streams() -> None:
+    """Random streams of images (2 to T tokens each) and text: windows start at 0, each after the last's target or at
+    the image its cut would have split; no image starts before a window and ends in it, none is cut at its end, no
+    window's last target lies inside one, and without images the windows are text's."""
+    from training.data.packing import Images
+    from training.data.vision import ImageRecord
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        T, N = int(rng.integers(4, 20)), int(rng.integers(1, 200))
+        starts, records, at = [], [], int(rng.integers(0, 5))
+        while (n := int(rng.integers(0, T - 1))) + 2 + at <= N:
+            starts.append(at)
+            records.append(ImageRecord("p", "p", 1, 0, "", 1, 1, (1, 1, 1), n))
+            at += n + 2 + int(rng.integers(0, 8))
+        s_W, length_W = (x.tolist() for x in Images(np.array(starts, dtype=np.int64), tuple(records), "x").layout(N, T))
+        spans = [(a, a + r.tokens + 1) for a, r in zip(starts, records)]
+        assert s_W[:1] in ([], [0])
+        for s, length, following in zip(s_W, length_W, [*s_W[1:], None]):
+            assert 1 <= length <= T and s + length + 1 <= N
+            assert not any(a < s <= z or s <= a < s + length <= z or a < s + length <= z for a, z in spans)
+            assert following in (None, s + length, s + length + 1)
+            assert (length == T and following != s + length) or s + length in starts
+        if not starts:
+            assert s_W == [k * (T + 1) for k in range(N // (T + 1))]
+
+
 def test_a_stream_without_images_is_cut_as_text(tmp_path: Path) -> None:
     """Text-only data under a vision model yields exactly the text windows and keys (no image anywhere: the text
     model runs alone)."""
