@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import execution
+from core.files import file_kind
 
 from training.data.hf_datasets import hf_files
 from training.data.token_shards import BIN_DTYPES, shard_paths
@@ -83,8 +84,22 @@ def validate_data_config(cfg: DataConfig) -> None:
             shard_paths(path, key)
     elif cfg.name == "hf":
         hf_files(cfg.path)
-    elif not source_path(cfg).is_file():
-        raise FileNotFoundError(f"data.path: no such file {source_path(cfg)}")
+    else:
+        _check_source_file(cfg)
+
+
+def _check_source_file(cfg: DataConfig) -> None:
+    """data=jsonl and chitchat read one regular file (more than once: its sha256 for the cache, then its documents)."""
+    path, kind = source_path(cfg), file_kind(source_path(cfg))
+    if kind == "missing":
+        raise FileNotFoundError(f"data.path: no such file {path}")
+    what = "one .jsonl file" if cfg.name == "jsonl" else "one dataset.json file"
+    if kind == "directory":
+        raise ValueError(f"data.path={path} is a directory, and data.name={cfg.name} reads {what}: name the file (a "
+                         "directory of token shards is read by data=tokens, of datasets files by data=hf)")
+    if kind != "file":
+        raise ValueError(f"data.path={path} is {kind}, not a regular file, and data.name={cfg.name} reads {what} more "
+                         "than once (its sha256 for the cache, then its documents): write the corpus to a file")
 
 
 def _validate_sources(cfg: DataConfig) -> None:
