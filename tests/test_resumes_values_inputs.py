@@ -192,6 +192,8 @@ def test_token_shards_whose_every_label_is_masked_are_refused_under_mask_non_ass
     (["optim.lr=inf"], r"optim\.lr=inf must be a finite number"),
     (["optim.lr=1e30"], r"optim\.lr=1e\+30 is too large: AdamW moves every weight by about lr a step"),
     (["optim.lr=1.0"], r"optim\.lr=1 is too large"),
+    (["optim.lr=1e-300"], r"optim\.lr=1e-300 is below the smallest float32 \(1\.4e-45\)"),
+    (["optim.warmup_steps=1000000000000"], r"optim\.warmup_steps=1,000,000,000,000 is absurd"),
     (["optim.lr=0.5", "optim.weight_decay=2"], r"optim\.lr=0\.5 x optim\.weight_decay=2 >= 1"),
     (["optim.weight_decay=nan"], r"optim\.weight_decay=nan must be a finite number"),
     (["optim.betas=[nan,0.95]"], r"optim\.betas\[0\]=nan must be a finite number"),
@@ -262,7 +264,8 @@ def test_a_directory_or_fifo_as_data_path_is_named_as_such(tmp_path, name, kind)
 
 
 def test_pretokenize_into_a_file_is_one_line(tmp_path, monkeypatch, capsys):
-    """Before: a bare `FileExistsError: [Errno 17] File exists`."""
+    """Before: a bare `FileExistsError: [Errno 17] File exists`; the trainer's data.cache_dir the same (before: the
+    Errno 17 inside "could not write the tokenized-corpus cache ... Free space there")."""
     source, out = write_chats(tmp_path / "chats.jsonl", 4), tmp_path / "out"
     out.write_text("mine")
     monkeypatch.setattr(sys, "argv", ["pretokenize.py", str(source), str(out), "--workers", "1", "--no-progress"])
@@ -278,6 +281,8 @@ def test_pretokenize_into_a_file_is_one_line(tmp_path, monkeypatch, capsys):
         with pytest.raises(ValueError, match=rf"the token shards' directory {re.escape(str(inside))} "
                                              r"(cannot be made: \S+ is a file|is a FIFO), not a directory"):
             tokenize_to_shards(source, inside, "qwen3")
+    with pytest.raises(ValueError, match=rf"^data\.cache_dir={re.escape(str(out))} is a file, not a directory"):
+        validate_data_config(DataConfig(path=str(source), name="jsonl", cache_dir=str(out)))
 
 
 def _tagged_config(run_dir: Path, marker: Path) -> Path:

@@ -163,6 +163,7 @@ def _check(ok: bool, message: str) -> None:
 # about +-1), so from lr = 1 a step moves every weight by more than the weights' own size (initialised at std 0.02,
 # the norms at 1): it rewrites the model rather than trains it. Published LLM runs train at 1e-5 .. 1e-2.
 MAX_LR = 1.0
+MIN_LR = 2.0**-149  # the smallest float32: below it an lr is 0 in the float32 update, which then moves nothing
 # train.steps: the longest published pre-training runs take about 1e6 optimizer steps; 1e9 is a thousand times that,
 # and 116 days even at 10 ms a step (the tiny debug model on a CPU; a real model's step takes seconds).
 MAX_STEPS = 10**9
@@ -237,6 +238,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.lr < MAX_LR, f"optim.lr={o.lr:g} is too large: AdamW moves every weight by about lr a step whatever the "
            f"gradient's scale, so from lr={MAX_LR:g} a step moves each by more than the weights' own size (initialised "
            "at std 0.02, norms at 1) and rewrites the model rather than trains it; LLMs train at 1e-5 to 1e-2")
+    _check(o.lr >= MIN_LR, f"optim.lr={o.lr:g} is below the smallest float32 ({MIN_LR:.2g}): the update computes in "
+           "float32, where it is 0, so nothing would train")
+    _check(o.warmup_steps <= MAX_STEPS, f"optim.warmup_steps={o.warmup_steps:,} is absurd: more than {MAX_STEPS:,} "
+           "steps (see train.steps); the lr would stay near 0 for the whole run")
     _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0 (0: no decay): a negative decay "
            "grows every matrix each step")
     _check(o.lr * o.weight_decay < 1, f"optim.lr={o.lr:g} x optim.weight_decay={o.weight_decay:g} >= 1: AdamW scales "

@@ -403,16 +403,21 @@ def check_primary_yaml(argv: list[str], script_dir: Path = REPO) -> None:
     read as Hydra will read it, before Hydra does: YAML it cannot read (a syntax error, a ``!!python`` tag, which
     OmegaConf's safe loader never constructs) is one line (``training.launch.one_line_errors``), not Hydra's
     traceback. A relative DIR is Hydra's: relative to the script's directory."""
-    import argparse
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config-path", "-cp")
-    parser.add_argument("--config-name", "-cn")
-    args, _ = parser.parse_known_args(argv)
-    if args.config_path is None or args.config_name is None or args.config_path.startswith("pkg://"):
+    def option(*names: str) -> str | None:  # Hydra's spellings: --config-path DIR, --config-path=DIR, -cp DIR
+        for i, arg in enumerate(argv):
+            for name in names:
+                if arg == name and i + 1 < len(argv):
+                    return argv[i + 1]
+                if arg.startswith(name + "="):
+                    return arg[len(name) + 1:]
+        return None
+
+    config_path, config_name = option("--config-path", "-cp"), option("--config-name", "-cn")
+    if config_path is None or config_name is None or config_path.startswith("pkg://"):
         return
-    name = args.config_name if args.config_name.endswith((".yaml", ".yml")) else args.config_name + ".yaml"
-    path = script_dir / args.config_path / name
+    name = config_name if config_name.endswith((".yaml", ".yml")) else config_name + ".yaml"
+    path = script_dir / config_path / name
     if path.is_file():
         OmegaConf.load(path)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import execution
-from core.files import file_kind
+from core.files import file_kind, nearest_existing
 
 from training.data.hf_datasets import hf_files
 from training.data.token_shards import BIN_DTYPES, shard_paths
@@ -70,6 +70,11 @@ def validate_data_config(cfg: DataConfig) -> None:
                          "data end documents with the tokenizer's <|endoftext|>")
     if not cfg.cache_dir:
         raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
+    blocker = nearest_existing(Path(cfg.cache_dir))  # the directory, or the parent it would be made in
+    if (kind := file_kind(blocker)) != "directory":
+        where = "is" if blocker == Path(cfg.cache_dir) else f"cannot be made: {blocker} is"
+        raise ValueError(f"data.cache_dir={cfg.cache_dir} {where} {'a file' if kind == 'file' else kind}, not a "
+                         "directory: point data.cache_dir at a directory for the tokenized-corpus cache")
     if not 0 <= cfg.val_fraction < 1:
         raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1): the share of each source held out "
                          "for validation, e.g. data.val_fraction=0.01")
