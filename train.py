@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -42,8 +43,8 @@ from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
 from training.run_dir import RunDir
 from training.loop_controls import ManualGC, StopSignal
-from training.startup import (RunPlan, World, begin_run, hydra_run_dir_of, job_config, plan_run, primary_config,
-                              startup_lines, startup_warnings)
+from training.startup import (RunPlan, World, begin_run, check_primary_yaml, hydra_run_dir_of, job_config, plan_run,
+                              primary_config, startup_lines, startup_warnings)
 from training.train_state import Progress, run_state, upgrade_state
 
 logger = logging.getLogger("train")
@@ -461,4 +462,6 @@ OmegaConf.register_new_resolver("run_dir", hydra_run_dir_of, replace=True)
 OmegaConf.register_new_resolver("if_none", lambda value, default: default if value is None else value, replace=True)
 
 if __name__ == "__main__":
+    with one_line_errors():  # a run's config.yaml that YAML cannot read: one line, before Hydra's traceback
+        check_primary_yaml(sys.argv[1:])
     main()

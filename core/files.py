@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,3 +117,19 @@ def record_problems(name: str, expected: dict[str, Any], got: dict[str, Any] | N
     size = got["bytes"]
     return [f"{name} bytes [{b * CRC_BLOCK_BYTES}, {min((b + 1) * CRC_BLOCK_BYTES, size)}) differ from what was "
             "written" for b, (g, e) in enumerate(zip(got["crc32"], expected["crc32"])) if g != e]
+
+
+def file_kind(path: Path) -> str:
+    """What ``path`` is, from its status alone (a FIFO is never opened: that would wait for a writer): 'file',
+    'directory', 'missing' (a link to a missing target too), or what else it is: 'a FIFO', 'a socket', 'a character
+    device', 'a block device'."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    for test, kind in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"

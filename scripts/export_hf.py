@@ -61,7 +61,8 @@ def run_config(path: Path) -> tuple[Path, dict, str]:
             raise FileNotFoundError(f"{file} not found ({what}); expected a run directory holding "
                                     "model.safetensors and config.yaml, the path of its .safetensors file, "
                                     "or a checkpoint directory <run>/checkpoints/step_N")
-    return weights, yaml.safe_load(config.read_text()) or {}, str(config)
+    with config.open() as f:  # a stream: a YAML error names the file (one line: training.launch.one_line_errors)
+        return weights, yaml.safe_load(f) or {}, str(config)
 
 
 def weights_step(weights: Path) -> int | None:

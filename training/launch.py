@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.experimental.callback import Callback
 
 from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
@@ -39,7 +40,19 @@ class LaunchError(RuntimeError):
     """A torchrun job started by relaunch_with_torchrun failed; the message is its first failure's."""
 
 
-ONE_LINE_ERRORS = (ValueError, OSError, ImportError, FloatingPointError, CheckpointError, LaunchError)
+# yaml.YAMLError: a config file YAML cannot read (a syntax error, or a !!python tag, which no loader here constructs)
+ONE_LINE_ERRORS = (ValueError, OSError, ImportError, FloatingPointError, CheckpointError, LaunchError, yaml.YAMLError)
+
+
+def yaml_line(e: yaml.YAMLError) -> str:
+    """A YAML error as one line: the file, line and column, and the problem (YAML's own message spans lines)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{mark.name} line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(e, "problem", None) or " ".join(str(e).split())
+    if "tag:yaml.org,2002:python/" in problem:
+        problem += (" (a tag that builds a Python object, which no config here may do: refused, nothing was run); "
+                    "the trainer writes no such tag: restore the file, or remove the tag")
+    return where + problem
 
 
 @dataclass
@@ -103,6 +116,7 @@ def one_line_errors(sweep_job: str | None = None) -> Iterator[None]:
             raise
         message = (str(e) if isinstance(e, (LaunchError, CheckpointError)) else
                    f"{_LOST_PEER_LINE}: {str(e).splitlines()[0]}" if _lost_peer(e) else
+                   f"{type(e).__name__}: {yaml_line(e)}" if isinstance(e, yaml.YAMLError) else
                    f"{type(e).__name__}: {e}")
         if sweep_job is not None:
             message = f"sweep job {sweep_job}: {message}"

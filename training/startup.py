@@ -180,6 +180,7 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
+    check_mtp_trains(model_args, cfg.data.seq_len)
     return spec, model_args, tokenizer
 
 
@@ -191,8 +192,12 @@ def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
     hf_config = read_hf_config(m.init_from)
     if m.name == "hf":  # model.arch keys given as well (a training knob: mtp_loss_weight) apply over config.json's
         model_type, args = args_from_hf_config(hf_config)
-        if m.arch:
-            args = models.build_args(model_type, {**dataclasses.asdict(args), **m.arch})
+        if m.model_type is not None and m.model_type != model_type:
+            raise ValueError(f"model.model_type={m.model_type} with model=hf, whose model_type is config.json's: "
+                             f"{m.init_from}/config.json is {model_type}; leave model.model_type unset (null)")
+        given = models.arch_given(m.arch)
+        if given:
+            args = models.build_args(model_type, {**dataclasses.asdict(args), **given})
         return models.get_spec(model_type), args
     args = models.build_args(m.model_type, dict(m.arch))
     for line in preset_differences(args, hf_config):
@@ -201,13 +206,21 @@ def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
 
 
 def as_resumed(cfg: TrainConfig, resumed: dict[str, Any] | None) -> TrainConfig:
-    """A resume of a model.init_from run builds the architecture and tokenizer its checkpoint records: the
-    checkpoint alone holds the weights, and init_from may be gone. (The config check then compares the rest.)"""
+    """A resume of a model.init_from run builds its model without init_from (the checkpoint alone holds the weights,
+    and init_from may be gone): a preset as on a fresh start; model=hf the architecture its checkpoint records (which
+    config.json gave), with every model.arch key given now applied over it, and its model_type and tokenizer unless
+    given. What this builds is then compared with the checkpoint's config (``check_resumed_config``): a change is
+    listed, or refused unless train.allow_changes names it, as for any other key."""
     saved = (resumed or {}).get("model", {})
-    if cfg.model.init_from is None or not saved.get("model_type"):
+    m = cfg.model
+    if m.init_from is None or not saved.get("model_type"):
         return cfg
+    tokenizer = saved["tokenizer"] if m.tokenizer == "auto" else m.tokenizer  # auto: init_from's, as resolved then
+    if m.name != "hf":
+        return dataclasses.replace(cfg, model=dataclasses.replace(m, init_from=None, tokenizer=tokenizer))
     return dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, init_from=None, model_type=saved["model_type"], tokenizer=saved["tokenizer"], arch=saved["arch"]))
+        m, init_from=None, model_type=m.model_type or saved["model_type"], tokenizer=tokenizer,
+        arch={**saved["arch"], **models.arch_given(m.arch)}))
 
 
 def check_balanced_routing(args: Any, cp: int, seq_len: int) -> None:
@@ -221,6 +234,16 @@ def check_balanced_routing(args: Any, cp: int, seq_len: int) -> None:
                          f"model.arch.num_experts_per_tok={K} must be a multiple of model.arch.num_experts={E} for "
                          f"the ranks to route as one process; fix: data.seq_len a multiple of "
                          f"{cp * E // math.gcd(E, K)}")
+
+
+def check_mtp_trains(args: Any, seq_len: int) -> None:
+    """The MTP head predicts token t+2 at position t of a window of seq_len + 1 tokens: a window of seq_len 1 has no
+    such pair, so the head would train on nothing (its loss 0 at every step)."""
+    weight = getattr(args, "mtp_loss_weight", 0.0)
+    if weight > 0 and seq_len < 2:
+        raise ValueError(f"model.arch.mtp_loss_weight={weight} trains the MTP head on token t+2 of each position, and "
+                         f"data.seq_len={seq_len} windows ({seq_len + 1} tokens) hold no such pair: the head would "
+                         "train on nothing; set data.seq_len >= 2, or model.arch.mtp_loss_weight=0")
 
 
 def check_outputs_apart(cfg: TrainConfig | DictConfig, run_dir: Path) -> None:
@@ -348,7 +371,7 @@ def startup_warnings(plan: RunPlan, model: torch.nn.Module, run_dir: RunDir, wor
     """Settings that are valid but probably not meant, too little disk for what the run saves, and a layout the
     planner does not see fit this device's memory: one line each."""
     cfg = plan.cfg
-    return (config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root))
+    return (config_warnings(plan.resolved) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root))
             + fit_warnings(plan.resolved, world_size, device.capacity_gib(plan.dev_type)))
 
 
@@ -373,6 +396,30 @@ def job_config(cfg: TrainConfig) -> TrainConfig:
     if hydra_cfg.mode == RunMode.MULTIRUN and cfg.train.output_dir is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=hydra_cfg.runtime.output_dir))
     return cfg
+
+
+def check_primary_yaml(argv: list[str], script_dir: Path = REPO) -> None:
+    """The primary config a command line names (``--config-path DIR --config-name NAME``: a run's config.yaml),
+    read as Hydra will read it, before Hydra does: YAML it cannot read (a syntax error, a ``!!python`` tag, which
+    OmegaConf's safe loader never constructs) is one line (``training.launch.one_line_errors``), not Hydra's
+    traceback. A relative DIR is Hydra's: relative to the script's directory."""
+
+    def option(*names: str) -> str | None:  # Hydra's spellings: --config-path DIR, --config-path=DIR, -cp DIR
+        for i, arg in enumerate(argv):
+            for name in names:
+                if arg == name and i + 1 < len(argv):
+                    return argv[i + 1]
+                if arg.startswith(name + "="):
+                    return arg[len(name) + 1:]
+        return None
+
+    config_path, config_name = option("--config-path", "-cp"), option("--config-name", "-cn")
+    if config_path is None or config_name is None or config_path.startswith("pkg://"):
+        return
+    name = config_name if config_name.endswith((".yaml", ".yml")) else config_name + ".yaml"
+    path = script_dir / config_path / name
+    if path.is_file():
+        OmegaConf.load(path)
 
 
 def primary_config(hydra_cfg) -> tuple[str, str]:

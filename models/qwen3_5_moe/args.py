@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.args import MoeArgs
+from models.args import MoeArgs, knob
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
@@ -38,7 +38,7 @@ class Qwen3_5MoeArgs(MoeArgs):
     # The multi-token-prediction head of the published checkpoints (``mtp.*``: one full-attention block predicting
     # token t+2): trained with its cross-entropy added at this weight; 0: the model has no head (a checkpoint's is
     # carried to the export untouched). Training-only: not in config.json.
-    mtp_loss_weight: float = 0.0
+    mtp_loss_weight: float = knob(0.0)
 
     @property
     def rotary_dim(self) -> int:

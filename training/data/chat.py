@@ -159,7 +159,13 @@ def document(tok: QwenTokenizer, row: str | list[dict], read_image: ImageReader 
 def chitchat_docs(path: Path, tok: QwenTokenizer) -> Iterator[Doc]:
     """One ChatML document per conversation: the speakers alternate user / assistant (the first one is
     the user) and a speaker's consecutive messages are joined with newlines."""
-    for conv in json.loads(path.read_bytes()).values():
+    try:
+        conversations = json.loads(path.read_bytes())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested deeper than the parser reads (Python's recursion limit)") from None
+    for conv in conversations.values():
         utterances = [u for group in conv["messages"] for u in group]
         runs = itertools.groupby(utterances, key=lambda u: u["sender"])
         turns = ["\n".join(u["text"] for u in run) for _, run in runs]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import execution
+from core.files import file_kind, nearest_existing
 
 from training.data.hf_datasets import hf_files
 from training.data.token_shards import BIN_DTYPES, shard_paths
@@ -76,6 +77,11 @@ def validate_data_config(cfg: DataConfig) -> None:
                          "data end documents with the tokenizer's <|endoftext|>")
     if not cfg.cache_dir:
         raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
+    blocker = nearest_existing(Path(cfg.cache_dir))  # the directory, or the parent it would be made in
+    if (kind := file_kind(blocker)) != "directory":
+        where = "is" if blocker == Path(cfg.cache_dir) else f"cannot be made: {blocker} is"
+        raise ValueError(f"data.cache_dir={cfg.cache_dir} {where} {'a file' if kind == 'file' else kind}, not a "
+                         "directory: point data.cache_dir at a directory for the tokenized-corpus cache")
     if not 0 <= cfg.val_fraction < 1:
         raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1): the share of each source held out "
                          "for validation, e.g. data.val_fraction=0.01")
@@ -91,8 +97,22 @@ def validate_data_config(cfg: DataConfig) -> None:
             shard_paths(path, key)
     elif cfg.name == "hf":
         hf_files(cfg.path)
-    elif not source_path(cfg).is_file():
-        raise FileNotFoundError(f"data.path: no such file {source_path(cfg)}")
+    else:
+        _check_source_file(cfg)
+
+
+def _check_source_file(cfg: DataConfig) -> None:
+    """data=jsonl and chitchat read one regular file (more than once: its sha256 for the cache, then its documents)."""
+    path, kind = source_path(cfg), file_kind(source_path(cfg))
+    if kind == "missing":
+        raise FileNotFoundError(f"data.path: no such file {path}")
+    what = "one .jsonl file" if cfg.name == "jsonl" else "one dataset.json file"
+    if kind == "directory":
+        raise ValueError(f"data.path={path} is a directory, and data.name={cfg.name} reads {what}: name the file (a "
+                         "directory of token shards is read by data=tokens, of datasets files by data=hf)")
+    if kind != "file":
+        raise ValueError(f"data.path={path} is {kind}, not a regular file, and data.name={cfg.name} reads {what} more "
+                         "than once (its sha256 for the cache, then its documents): write the corpus to a file")
 
 
 def _validate_images(cfg: DataConfig) -> None:

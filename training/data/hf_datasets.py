@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.files import file_kind
 from training.data.chat import VISION_ONLY, Doc, checked_messages, document
 from training.data.tokenize_shards import Shard, shard_name
 from training.data.tokenizer import QwenTokenizer
@@ -44,8 +45,11 @@ def hf_files(path: str, key: str = "data.path") -> tuple[str, tuple[Path, ...]]:
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in HF_FORMATS)
     elif p.is_file():
         files = [p]
-    else:
+    elif file_kind(p) == "missing":
         raise FileNotFoundError(f"{key}: no such file or directory {path}")
+    else:
+        raise ValueError(f"{key}={path} is {file_kind(p)}, not a datasets file or a directory of them (datasets reads "
+                         "regular files): write the data to a file")
     names = ", ".join(HF_FORMATS)
     if not files:
         raise ValueError(f"{key}={path} holds no {names} file; point {key} at dataset files or a save_to_disk "
@@ -82,8 +86,13 @@ def open_dataset(fmt: str, files: tuple[Path, ...], cache_dir: str):
         return dataset
     if fmt == "arrow":  # files written by datasets: memory-mapped where they are, no copy
         return datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
-    return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
-                                 cache_dir=str(Path(cache_dir) / "hf"))
+    try:
+        return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
+                                     cache_dir=str(Path(cache_dir) / "hf"))
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:  # pyarrow's errors name no file
+        cause = e.__cause__ or e  # datasets wraps the reader's error
+        named = ", ".join(map(str, files[:3])) + (f" (and {len(files) - 3} more)" if len(files) > 3 else "")
+        raise ValueError(f"{named}: datasets cannot read it as {fmt}: {' '.join(str(cause).split())}") from e
 
 
 def pick_column(columns: list[str], column: str | None, key: str = "data.column") -> str:

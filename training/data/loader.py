@@ -265,6 +265,10 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None, model_vocab_size: int
             raise ValueError(f"data.mask_non_assistant=true needs a loss mask, and {key}={path} holds plain ids; "
                              "tokenize chat data with scripts/pretokenize.py (its shards carry the mask) or set "
                              "data.mask_non_assistant=false")
+        if cfg.mask_non_assistant and not data.mask.any():
+            raise ValueError(f"{key}={path}: every label of its shards is masked (no assistant message anywhere): "
+                             "with data.mask_non_assistant=true its windows would train nothing; tokenize data with "
+                             "assistant turns, or set data.mask_non_assistant=false")
         if data.tokenizer is not None:
             if tokenizer is not None and data.tokenizer != tokenizer:
                 raise ValueError(f"{key}={path} was tokenized with {data.tokenizer} (its manifest.json) and the "

@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from core.files import atomic_write_npy, atomic_write_text, record_paths
+from core.files import atomic_write_npy, atomic_write_text, file_kind, nearest_existing, record_paths
 from training.data.chat import Doc, ImageReader, document, join_docs, jsonl_row
 from training.data.tokenizer import TOKENIZERS, QwenTokenizer
 from training.data.vision import ImageError, ImageRecord, VisionData, inspect_image
@@ -93,6 +93,10 @@ def jsonl_docs(path: Path, tok: QwenTokenizer, start: int = 0, stop: int | None 
                                  "JSON object per line") from None
             except ValueError as e:
                 raise ValueError(f"{path} line {lineno}: {e}") from None
+            except RecursionError:  # json's parser recurses per level: past Python's limit (about 1,000)
+                raise ValueError(f"{path} line {lineno}: JSON nested deeper than the parser reads (Python's recursion "
+                                 "limit); expected one JSON object per line, with a 'text' or a 'messages' field"
+                                 ) from None
             yield doc
 
 
@@ -320,6 +324,10 @@ def _write_manifest(out_dir: Path, manifest: Manifest) -> None:
     atomic_write_text(out_dir / MANIFEST, json.dumps(asdict(manifest), indent=1) + "\n")
 
 
+def _a(kind: str) -> str:
+    return "a file" if kind == "file" else kind
+
+
 def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, workers: int = 1,
                        docs_per_shard: int = 10_000, progress: bool = False, source_sha256: str | None = None,
                        max_shards: int | None = None) -> Manifest:
@@ -338,6 +346,12 @@ def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, 
         raise ValueError(f"docs_per_shard={docs_per_shard} must be at least 1")
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer {tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+    blocker = nearest_existing(out_dir)  # out_dir or the parent it would be made in: a directory, or refused here
+    if file_kind(blocker) != "directory":
+        what = "is" if blocker == out_dir else f"cannot be made: {blocker} is"
+        raise ValueError(f"the token shards' directory {out_dir} {what} {_a(file_kind(blocker))}, not a directory: "
+                         "name a new or empty directory (or that of an earlier run of this tokenization, which it "
+                         "continues)")
     files = corpus.files()
     manifest = Manifest(corpus.source, source_sha256 or files_sha256(files), sum(f.stat().st_size for f in files),
                         corpus.reader, tokenizer, docs_per_shard, corpus.plan(docs_per_shard))
