@@ -163,10 +163,19 @@ def step_of(path: Path) -> int | None:
 
 
 def step_dirs(root: Path) -> list[Path]:
-    """Every ``step_NNNNNNNN`` directory under root, complete or not, oldest first."""
+    """Every ``step_NNNNNNNN`` directory under root, complete or not, oldest first. A symbolic link named so is none:
+    a save writes a folder, so a link is another run's checkpoint (``linked_step_dirs``), never read or pruned."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+    return sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and step_of(p) is not None),
+                  key=step_of)
+
+
+def linked_step_dirs(root: Path) -> list[Path]:
+    """The symbolic links under root named like checkpoints (``step_dirs`` leaves them out)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_symlink() and step_of(p) is not None)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -313,6 +322,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     if is_writer:
         with _named_write_failures(f"checkpoint {final}", root, tmp, kept):
             (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "files": files}))
+        if final.is_symlink():  # a link in the way (find_start never reads one): the link goes, not what it names
+            final.unlink()
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete_checkpoints(root)[:-keep_last]:
@@ -431,10 +442,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, t in saved_tensors(model).items()}
 
 
-def save_model_weights(model: nn.Module, path: Path, is_writer: bool, step: int | None = None) -> None:
+def save_model_weights(model: nn.Module, path: Path, is_writer: bool, step: int | None = None,
+                       init_from: dict[str, Any] | None = None) -> None:
     """Collective: the final weights as one safetensors file (``saved_tensors`` as full tensors, metadata
     {"format": "pt"}: the bytes ``save_file(full_state_dict(model))`` would write), written atomically by the
-    writer, then their record (``weights_record``: ``step``, the size and block CRCs). Parameters are gathered one at
+    writer, then their record (``weights_record``: ``step``, what the run loaded from model.init_from
+    (``init_from``: ``recorded_init_from``), the size and block CRCs). Parameters are gathered one at
     a time and streamed into the file (``stream_gathered``): the writer's host memory holds one tensor, the other
     ranks' none, instead of the whole model on every rank."""
     tensors = saved_tensors(model)
@@ -444,7 +457,8 @@ def save_model_weights(model: nn.Module, path: Path, is_writer: bool, step: int 
         with _named_write_failures(str(path), path):
             weights_record(path).unlink(missing_ok=True)  # never an older file's record beside a newer file
             atomic_write(path, lambda tmp: write_safetensors(tmp, layouts, host, metadata={"format": "pt"}))
-            atomic_write_text(weights_record(path), json.dumps({"step": step, **record_paths([path])[path]}) + "\n")
+            atomic_write_text(weights_record(path), json.dumps({"step": step, "init_from": init_from,
+                                                                **record_paths([path])[path]}) + "\n")
 
     stream_gathered(tensors, layouts, write if is_writer else None)
 
@@ -470,3 +484,14 @@ def verified_weights_step(path: Path) -> int | None:
         raise CheckpointError(f"{path} is damaged: {'; '.join(problems)}. The run's checkpoints hold the weights too: "
                               "export the newest (scripts/export_hf.py <run>/checkpoints/step_N)")
     return written.get("step")
+
+
+def recorded_init_from(weights: Path) -> dict[str, Any] | None:
+    """What the run of ``weights`` (a checkpoint, or final weights with their record) loaded from model.init_from, as
+    recorded (``models.hf_io.record_source``); None where nothing was recorded."""
+    try:
+        if (weights / TRAIN_STATE).is_file():
+            return read_train_state(weights).get("init_from")
+        return json.loads(weights_record(weights).read_text()).get("init_from")
+    except (OSError, ValueError, AttributeError):
+        return None
