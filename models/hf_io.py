@@ -195,8 +195,8 @@ def _weight_map(hf_dir: Path) -> dict[str, Path] | None:
     return {name: hf_dir / file for name, file in weight_map.items()}
 
 
-def _checkpoint_files(hf_dir: Path) -> list[Path]:
-    weight_map = _weight_map(hf_dir)
+def _checkpoint_files(hf_dir: Path, weight_map: dict[str, Path] | None = None) -> list[Path]:
+    weight_map = weight_map or _weight_map(hf_dir)
     if weight_map is not None:
         return sorted(set(weight_map.values()))
     if (hf_dir / SAFETENSORS).is_file():
@@ -209,7 +209,7 @@ def _shard_tensors(hf_dir: Path, stack: contextlib.ExitStack) -> Iterator[tuple[
     mapping is the truth: a tensor in two shards, one the index names but its shard lacks, or one it does not list
     is refused by name (before: the copy of the other file won, or the tensor was dropped)."""
     weight_map = _weight_map(hf_dir)
-    opened = {path: stack.enter_context(_open_safetensors(path)) for path in _checkpoint_files(hf_dir)}
+    opened = {path: stack.enter_context(_open_safetensors(path)) for path in _checkpoint_files(hf_dir, weight_map)}
     keys = {path: list(f.keys()) for path, f in opened.items()}
     if weight_map is not None:
         problems = []
@@ -762,13 +762,24 @@ def check_export_dir(out_dir: str | os.PathLike) -> None:
                          f"{EXPORT_RECORD}, is replaced)")
 
 
+@contextlib.contextmanager
+def _unstoppable() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back (then delivered): what runs here is never cut in half."""
+    blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
 def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
     """Write into a temporary sibling, then rename it to out_dir: nobody sees a half-written directory. Held for the
     export (``_export_lock``) and checked under the lock (``check_export_dir``); a failure, Ctrl-C, SIGTERM or SIGHUP
     removes the temporary folder and leaves out_dir as it was."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     state: dict[str, bool] = {}
-    with _export_lock(out_dir), _signals_end_the_export(out_dir, state):
+    with _signals_end_the_export(out_dir, state), _export_lock(out_dir):
         check_export_dir(out_dir)
         for stale in stale_temporaries(out_dir.parent, out_dir.name):  # an earlier export's, killed
             logger.warning("removing %s, left by an export whose process is gone", stale)
@@ -777,18 +788,14 @@ def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
         try:
             write(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private
-        except KeyboardInterrupt as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, ExportInterrupted):
-                raise
-            raise ExportInterrupted(f"Ctrl-C: the export to {out_dir} stopped; its temporary folder was removed and "
-                                    f"{out_dir} is as it was") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as e:
+            with _unstoppable():
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, ExportInterrupted):
+                raise ExportInterrupted(f"Ctrl-C: the export to {out_dir} stopped; its temporary folder was removed "
+                                        f"and {out_dir} is as it was") from None
             raise
-        blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # the swap is never cut in half (then they arrive)
-        try:
+        with _unstoppable():  # the swap is never cut in half
             if out_dir.exists():
                 old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-{os.getpid()}-"))
                 os.rename(out_dir, old / out_dir.name)
@@ -797,8 +804,6 @@ def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
             else:
                 os.rename(tmp, out_dir)
             state["swapped"] = True
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
 
 
 def _copy_file(source: Path, target: Path) -> None:

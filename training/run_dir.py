@@ -9,8 +9,9 @@ checkpoints are, how far it got, whether it finished), and a start in it continu
 - ``check_run_dir``, ``check_checkpoint_dir``: a run directory is new, empty (but for what Hydra writes before
   train.py runs) or a run of this trainer; a checkpoint.dir new, empty or one of this trainer's. Anything else (``/``,
   a home directory, a user's folder with a config.yaml of its own) is refused before anything is written.
-- ``find_start``: (after ``check_run_dir``) what ``train.resume`` continues, decided from the checkpoints (under checkpoint.dir and every
-  directory the record names that is the run's own: ``own_roots``) and the record, before anything is rewritten:
+- ``find_start``: what ``train.resume`` continues (after ``check_run_dir``), decided from the checkpoints (under
+  checkpoint.dir and every directory the record names that is the run's own: ``own_roots``) and the record, before
+  anything is rewritten:
   ``none`` refuses a directory that holds a run; ``auto`` takes the newest checkpoint, or (none written) the
   run's config.yaml to compare against, or a fresh start in an empty directory; a path to an older checkpoint
   of this run refuses unless ``train.discard_newer=true``; another run's checkpoint refuses a directory that holds
@@ -408,6 +409,7 @@ def find_start(resume: str, discard_newer: bool, ckpt_root: Path, run_dir: Path)
         check_run_dir(run_dir, ckpt_root)
         return Start(checkpoint=path, state=state, record=record)
     check_run_dir(run_dir, ckpt_root)
+    _check_no_links_out(path)
     return Start(checkpoint=path, state=state, record=record,
                  discard=_newer_than(path, state["step"], found, logged, run_dir, record, discard_newer))
 
