@@ -4,6 +4,7 @@ No torch here: the tokenizer's worker processes import this."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -133,3 +134,40 @@ def file_kind(path: Path) -> str:
         if test(mode):
             return kind
     return "not a regular file"
+
+
+# ------------------------------------------------------------------------------------------ failed writes
+_WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (a file-size limit: "
+                 "ulimit -f)", errno.EDQUOT: "disk quota exceeded"}
+# A folder made read-only under a running job (its permissions, or the file system remounted read-only).
+_DENIED_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                  errno.EROFS: "read-only file system"}
+
+
+def write_failure(e: BaseException, what: str, path: Path) -> str | None:
+    """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what
+    it wraps: DCP gathers every rank's exception) is a failed write, or ``could not write <what>: permission denied
+    on <file> ...`` for a folder made read-only under the run, else None. torch's zip writer reports a full
+    disk or a file-size limit as ``RuntimeError ... unexpected pos``, without an errno: then the free space says
+    which."""
+    pending, seen = [e], []
+    while pending:
+        cause = pending.pop()
+        if cause is None or any(cause is s for s in seen):
+            continue
+        seen.append(cause)
+        pending += [cause.__cause__, cause.__context__]
+        pending += [failure[0] for failure in getattr(cause, "failures", {}).values()]
+        code = cause.errno if isinstance(cause, OSError) else None
+        if code in _DENIED_ERRNOS:
+            return (f"could not write {what}: {_DENIED_ERRNOS[code]} on {cause.filename or path} (its folder made "
+                    "read-only under the run?): make it writable again")
+        if code not in _WRITE_ERRNOS and not (isinstance(cause, RuntimeError) and (
+                "unexpected pos" in str(cause) or "failed writing" in str(cause))):
+            continue
+        where = nearest_existing(path)
+        free = shutil.disk_usage(where).free
+        why = _WRITE_ERRNOS.get(code) or ("no space left on the device" if free < 64 << 20 else
+                                          "file too large (a file-size limit: ulimit -f) or a quota")
+        return f"no space or file too large while writing {what}: {why} ({free / 2**30:.2f} GiB free on {where})"
+    return None

@@ -34,8 +34,8 @@ from training.data.hf_tokenizer import check_export_requirements, run_tokenizer
 from training.launch import LaunchConfig, one_line_errors
 from training.metrics import MetricLogger
 from training.planner import fit_warnings
-from training.run_dir import (RunDir, Start, check_apart, check_not_moved, find_start, lock_checkpoint_dir, lock_run_dir,
-                              outside)
+from training.run_dir import (CONFIG_HEADER, RunDir, Start, check_apart, check_checkpoint_dir, check_not_moved,
+                              check_run_dir, find_start, lock_checkpoint_dir, lock_run_dir, outside)
 from training.run_logs import run_logs
 from training.train_state import upgrade_config
 
@@ -153,8 +153,12 @@ def plan_run(cfg: TrainConfig, world: World) -> RunPlan:
     validate(cfg)  # bad input is one line before anything else
     run_dir = run_path(cfg)
     ckpt_root = checkpoint_root(cfg, run_dir)
-    start = find_start(cfg.train.resume, cfg.train.discard_newer, ckpt_root, run_dir)
     check_outputs_apart(cfg, run_dir)
+    if cfg.checkpoint.export_hf_at_end and cfg.train.output_dir is not None:
+        check_export_dir(run_dir / "hf")  # before the run directory's own check (find_start): the precise refusal
+    start = find_start(cfg.train.resume, cfg.train.discard_newer, ckpt_root, run_dir)  # the run directory checked
+    if cfg.checkpoint.dir:
+        check_checkpoint_dir(ckpt_root, run_dir)
     spec, model_args, tokenizer = check_config(cfg, world.size, start.resumed_config)
     run_config, resolved = recorded_config(cfg, spec, model_args, tokenizer)
     dp = parallelisms.resolve_sizes(cfg.parallel, world.size).dp
@@ -302,7 +306,7 @@ def rerunnable_config(run_config: dict[str, Any]) -> str:
     config`` trains the same run again (in a new train.output_dir, or continued with train.resume=auto)."""
     hydra_section = OmegaConf.load(REPO / "conf" / "config.yaml").hydra
     rerun = OmegaConf.create({"defaults": ["schema", "_self_"], **run_config, "hydra": hydra_section})
-    return ("# Re-run: python train.py --config-path <absolute path of this directory> --config-name config "
+    return (f"{CONFIG_HEADER} --config-path <absolute path of this directory> --config-name config "
             "[train.output_dir=<new dir> | train.resume=auto]\n" + OmegaConf.to_yaml(rerun))
 
 
@@ -428,10 +432,13 @@ def primary_config(hydra_cfg) -> tuple[str, str]:
     return primary.path.removeprefix("file://"), hydra_cfg.job.config_name
 
 
-def hydra_run_dir_of(output_dir: str | None, default: str, _root_: DictConfig | None = None) -> str:
-    """conf/config.yaml's Hydra run (and sweep) directory: train.output_dir when set, else ``default``. Checked
+def hydra_run_dir_of(output_dir: str | None, default: str, kind: str = "run", _root_: DictConfig | None = None
+                     ) -> str:
+    """conf/config.yaml's Hydra run (and, ``kind`` sweep, sweep) directory: train.output_dir when set, else
+    ``default``. Checked
     here, before Hydra makes it and its log file (one line, not Hydra's traceback): a file there, a directory over
-    an input (``_root_``: the whole config), and a run's config.yaml re-run from a directory its train.output_dir no
+    an input (``_root_``: the whole config), a directory that is neither empty nor a run (``check_run_dir``; not a
+    sweep's, which holds its jobs), and a run's config.yaml re-run from a directory its train.output_dir no
     longer names (it would start a run at the old place)."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -440,6 +447,8 @@ def hydra_run_dir_of(output_dir: str | None, default: str, _root_: DictConfig | 
             raise ValueError(f"train.output_dir={output_dir} is a file, not a directory; name a directory")
         if output_dir is not None and _root_ is not None:
             check_outputs_apart(_root_, Path(output_dir))
+        if output_dir is not None and kind != "sweep":  # a sweep's directory holds its jobs' (plan_run checks each)
+            check_run_dir(Path(output_dir))
         if HydraConfig.initialized():
             hydra_cfg = HydraConfig.get()
             given = any(o.lstrip("+~").split("=")[0] == "train.output_dir" for o in hydra_cfg.overrides.task)
