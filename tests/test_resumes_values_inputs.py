@@ -289,7 +289,8 @@ def _tagged_config(run_dir: Path, marker: Path) -> Path:
     """A run's config.yaml whose train.seed is a !!python tag that would run a command if constructed."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text("defaults:\n- schema\n- _self_\ntrain:\n"
+    config.write_text("# Re-run: python train.py (the header of a run's config.yaml: a run of this trainer)\n"
+                      "defaults:\n- schema\n- _self_\ntrain:\n"
                       f"  seed: !!python/object/apply:os.system ['touch {marker}']\n")
     return config
 
@@ -299,7 +300,7 @@ def test_a_python_tag_in_a_runs_config_yaml_is_one_line_and_runs_nothing(tmp_pat
     by train.resume=auto from a run without a checkpoint, and by scripts/export_hf.py."""
     marker = tmp_path / "ran"
     config = _tagged_config(tmp_path / "run", marker)
-    line = (f"{config} line 5, column 9: could not determine a constructor for the tag "
+    line = (f"{config} line 6, column 9: could not determine a constructor for the tag "
             "'tag:yaml.org,2002:python/object/apply:os.system' (a tag that builds a Python object")
     done = subprocess.run([sys.executable, "train.py", "--config-path", str(tmp_path / "run"), "--config-name",
                            "config", "train.resume=auto"], cwd=REPO, capture_output=True, text=True, timeout=300)
