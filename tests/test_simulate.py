@@ -266,6 +266,10 @@ def test_scripts_simulate_measures_a_rank_and_predicts_the_job(tmp_path):
     assert report["world"] == 4 and report["predicted_tokens_per_s_per_gpu"] > 0
     assert report["executed_tflops"] == report["compute_tflops"]  # no checkpointing: nothing ran twice
     assert {c["kind"] for c in report["collectives"]} == {"all_gather", "reduce_scatter", "all_to_all"}
+    # The exposed exchanges (ep2's all-to-alls, inside a node) at sim.a2a_gb_s (default 130), not the link's 450
+    at_link = sum(c["link_s"] for c in report["collectives"] if c["exposed"])
+    assert at_link > 0 and report["link_exposed_s"] == pytest.approx(at_link)
+    assert report["exposed_link_s"] == pytest.approx(at_link * 450 / 130)
     bad = subprocess.run([sys.executable, "scripts/simulate.py", "sim.wrld=4"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert bad.returncode == 1 and bad.stderr.startswith("error: ValueError: sim has no key 'wrld'")
