@@ -23,10 +23,13 @@ MFU (the trainer's FLOP count, as torchtitan's) and the predicted tokens/s/GPU b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,7 @@ from plan import read_args  # noqa: E402
 from core import device  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
 from training.planner import FULL_CHECKPOINT_RECOMPUTE, GiB, plan  # noqa: E402
+from training.run_dir import RECORD_FILE  # noqa: E402
 
 # The all-to-all's effective rate per GPU inside a node, GB/s: what the 2 x H200 runs of docs/scaling.md lost to
 # their exchanges beyond the simulated compute (docs/scaling.md: calibration); the planner's NVLink figure (450) is
@@ -46,27 +50,108 @@ from training.planner import FULL_CHECKPOINT_RECOMPUTE, GiB, plan  # noqa: E402
 A2A_GB_S = 130.0
 SIM_KEYS = {"world": 8, "rank": 0, "steps": 8, "routing": "balanced", "data": "random", "out": "",
             "a2a_gb_s": A2A_GB_S}
+# What each key holds, for the line that refuses a value.
+_MEANING = {"world": "the simulated job's ranks", "rank": "which of them this process is",
+            "steps": "steps trained, the last two profiled", "a2a_gb_s": "GB/s of the all-to-all inside a node"}
 
 
 def sim_args(argv: list[str]) -> tuple[dict, list[str]]:
-    """The ``sim.*`` settings and the other arguments."""
+    """The ``sim.*`` settings, checked (each refusal one line naming the key and the fix), and the other arguments."""
     sim, rest = dict(SIM_KEYS), []
     for arg in argv:
         if not arg.startswith("sim."):
             rest.append(arg)
             continue
-        key, _, value = arg.removeprefix("sim.").partition("=")
+        key, eq, value = arg.removeprefix("sim.").partition("=")
         if key not in SIM_KEYS:
             raise ValueError(f"sim has no key {key!r}; known: {sorted(SIM_KEYS)}")
-        sim[key] = type(SIM_KEYS[key])(value)
-    if sim["routing"] not in ("balanced", "learned") or sim["data"] not in ("random", "config"):
-        raise ValueError(f"sim.routing={sim['routing']} (balanced | learned), sim.data={sim['data']} (random | config)")
+        if not eq:
+            raise ValueError(f"sim.{key} needs a value: sim.{key}=<value> (python scripts/simulate.py --help)")
+        kind = type(SIM_KEYS[key])
+        try:
+            sim[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"sim.{key}={value} must be {'an integer' if kind is int else 'a number'} "
+                             f"({_MEANING[key]})") from None
+    checks = [
+        (sim["world"] >= 1, f"sim.world={sim['world']} must be >= 1 ({_MEANING['world']}, e.g. sim.world=8)"),
+        (0 <= sim["rank"] < sim["world"], f"sim.rank={sim['rank']} must be in [0, sim.world={sim['world']})"),
+        (sim["steps"] >= 2, f"sim.steps={sim['steps']} must be >= 2: the last two steps are profiled and timed (the "
+                            "steps after the third are timed where there are more; e.g. sim.steps=6)"),
+        (sim["a2a_gb_s"] > 0, f"sim.a2a_gb_s={sim['a2a_gb_s']} must be > 0 ({_MEANING['a2a_gb_s']})"),
+        (sim["routing"] in ("balanced", "learned"), f"sim.routing={sim['routing']} must be balanced or learned"),
+        (sim["data"] in ("random", "config"), f"sim.data={sim['data']} must be random or config"),
+    ]
+    for ok, line in checks:
+        if not ok:
+            raise ValueError(line)
     return sim, rest
+
+
+def _simulated_run(run_dir: Path) -> bool:
+    """Whether ``run_dir``'s record says it is a simulation's run (``launch.simulate_world``)."""
+    try:
+        return bool(json.loads((run_dir / RECORD_FILE).read_text()).get("simulated"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_out(out: Path) -> None:
+    """``sim.out`` must be a new or empty directory outside any training run: a simulation writes its tokens, its
+    run and its report there, and must not mix them into a run of the trainer, a user's folder or an earlier
+    simulation (which is not resumed: a simulated run writes no checkpoint)."""
+    for parent in out.resolve().parents:
+        if (parent / RECORD_FILE).is_file() and not _simulated_run(parent):
+            raise ValueError(f"sim.out={out} is inside the training run {parent} (its {RECORD_FILE}): the simulation "
+                             "would write into that run; give sim.out a new directory outside it")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"sim.out={out} is a file, not a directory; give sim.out a new or empty directory")
+    held = sorted(p.name for p in out.iterdir())
+    listed = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    if not held:
+        return
+    if (out / "simulation.json").is_file() or _simulated_run(out / "run"):
+        raise ValueError(f"sim.out={out} holds an earlier simulation ({listed}), which a simulation neither resumes "
+                         "nor overwrites: give sim.out a new directory, or remove that one first")
+    if (out / RECORD_FILE).is_file() or (out / "config.yaml").is_file():
+        raise ValueError(f"sim.out={out} is a training run's directory ({listed}): the simulation would write into "
+                         "that run; give sim.out a new or empty directory")
+    raise ValueError(f"sim.out={out} is not empty ({listed}) and holds no simulation; give sim.out a new or empty "
+                     "directory")
+
+
+@contextlib.contextmanager
+def output_dir(given: str) -> Iterator[Path]:
+    """The simulation's directory: ``sim.out`` (checked, ``check_out``) or a new temporary one. A simulation that
+    fails leaves nothing behind: what it made is removed (the directory itself where it made it)."""
+    if given:
+        out = Path(given)
+        check_out(out)
+        made = next((p for p in [*reversed(out.absolute().parents), out.absolute()] if not p.exists()), None)
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        out = made = Path(tempfile.mkdtemp(prefix="simulate-"))
+    try:
+        yield out
+    except BaseException:
+        if made is not None:  # the first directory on the way that the simulation made
+            shutil.rmtree(made, ignore_errors=True)
+        else:
+            for p in out.iterdir():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink()
+        raise
 
 
 def main(argv: list[str]) -> None:
     sim, rest = sim_args(argv)
-    out = Path(sim["out"] or tempfile.mkdtemp(prefix="simulate-"))
+    with output_dir(sim["out"]) as out:
+        simulate(sim, rest, out)
+    print(f"simulation written to {out} (simulation.json; the run and its profile in {out / 'run'})")
+
+
+def simulate(sim: dict, rest: list[str], out: Path) -> None:
     steps = sim["steps"]
     overrides = [*rest, f"launch.simulate_world={sim['world']}", f"launch.simulate_rank={sim['rank']}",
                  f"train.steps={steps}", "train.save_final=false", f"train.output_dir={out / 'run'}",
@@ -75,7 +160,6 @@ def main(argv: list[str]) -> None:
     cfg, machine = read_args(overrides)
     if sim["data"] == "random":  # every step's global batch (the loader windows the whole job's data)
         tokens = out / "tokens.npy"
-        out.mkdir(parents=True, exist_ok=True)
         sequences = cfg.train.local_batch_size * cfg.train.grad_accum_steps * sim["world"] // cfg.parallel.cp_size
         need = (steps + 1) * sequences * (cfg.data.seq_len + 1)
         np.save(tokens, np.random.default_rng(0).integers(0, cfg.model.arch["vocab_size"], size=need, dtype=np.int32))

@@ -1,4 +1,5 @@
-"""scripts/simulate.py's arithmetic, pinned against hand-computed values (no run: a made-up measured rank and plan).
+"""scripts/simulate.py without a GPU: its arithmetic, pinned against hand-computed values (a made-up measured rank and
+plan), and its arguments and output directory, each refusal one line before anything is written.
 
 The paper prediction (``sim.links=off``): the measured step less the loopback's all-to-all copies is the compute;
 the exposed exchanges are added at the calibrated all-to-all rate, and whatever of FSDP's hidden traffic is longer
@@ -8,6 +9,8 @@ than the compute, ``max(0, hidden - compute)``. The executed FLOP rate counts fu
 from __future__ import annotations
 
 import importlib.util
+import json
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,3 +76,67 @@ def test_the_executed_rate_counts_full_checkpointings_second_forward(checkpoint,
     r = simulate.predict(_cfg(checkpoint), _plan(0.2, 0.4), _history(), PROFILE, _plan(0.6, 0.4))
     assert r["compute_tflops"] == pytest.approx(409.6)
     assert r["executed_tflops"] == (pytest.approx(executed) if executed else None)
+
+
+@pytest.mark.parametrize("arg, error", [
+    ("sim.world=0", r"^sim.world=0 must be >= 1 \(the simulated job's ranks, e.g. sim.world=8\)$"),
+    ("sim.world=abc", r"^sim.world=abc must be an integer \(the simulated job's ranks\)$"),
+    ("sim.steps=0", r"^sim.steps=0 must be >= 2: the last two steps are profiled"),
+    ("sim.steps=1", r"^sim.steps=1 must be >= 2: the last two steps are profiled"),
+    ("sim.rank=4", r"^sim.rank=4 must be in \[0, sim.world=4\)$"),
+    ("sim.a2a_gb_s=fast", r"^sim.a2a_gb_s=fast must be a number"),
+    ("sim.a2a_gb_s=0", r"^sim.a2a_gb_s=0.0 must be > 0"),
+    ("sim.routing=random", r"^sim.routing=random must be balanced or learned$"),
+    ("sim.wrld=4", r"^sim has no key 'wrld'"),
+])
+def test_a_bad_sim_value_is_one_line_naming_the_key_before_anything_is_written(arg, error, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a simulation without sim.out would write
+    with pytest.raises(ValueError, match=error):
+        simulate.main([arg, "sim.world=4"] if not arg.startswith("sim.world") else [arg])
+    assert not list(tmp_path.iterdir())
+
+
+def _run_dir(path: Path, simulated: str | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "run.json").write_text(json.dumps({"run_dir": str(path), "simulated": simulated}))
+    (path / "config.yaml").write_text("train: {}\n")
+    return path
+
+
+@pytest.mark.parametrize("case, error", [
+    ("a training run", r"^sim.out=.*/real is a training run's directory \(config.yaml, run.json\): the simulation "
+                       r"would write into that run; give sim.out a new or empty directory$"),
+    ("inside a training run", r"^sim.out=.*/real/sim is inside the training run .*/real \(its run.json\)"),
+    ("an earlier simulation", r"^sim.out=.*/earlier holds an earlier simulation \(run, simulation.json\), which a "
+                              r"simulation neither resumes nor overwrites: give sim.out a new directory"),
+    ("a user's folder", r"^sim.out=.*/mine is not empty \(notes.txt\) and holds no simulation"),
+    ("a file", r"^sim.out=.*/file is a file, not a directory"),
+])
+def test_sim_out_takes_only_a_new_or_empty_directory(case, error, tmp_path):
+    out = {"a training run": lambda: _run_dir(tmp_path / "real"),
+           "inside a training run": lambda: _run_dir(tmp_path / "real") / "sim",
+           "an earlier simulation": lambda: _run_dir(tmp_path / "earlier" / "run", "rank 0 of 8").parent,
+           "a user's folder": lambda: tmp_path / "mine",
+           "a file": lambda: tmp_path / "file"}[case]()
+    if case == "an earlier simulation":
+        (out / "simulation.json").write_text("{}")
+    elif case == "a user's folder":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "a file":
+        out.write_text("mine")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match=error):
+        simulate.main([f"sim.out={out}", "sim.world=4"])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, nothing removed
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_simulation_that_fails_leaves_nothing_behind(given, tmp_path, monkeypatch):
+    """The layout is refused after the random tokens are written (an ep2 job of 3 ranks): neither sim.out (made by
+    the simulation) nor a temporary directory stays."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "new" / "out"
+    with pytest.raises(ValueError, match=r"parallel.ep_size=2 must divide"):
+        simulate.main(["parallel=ep2", "sim.world=3", *([f"sim.out={out}"] if given else [])])
+    assert not list(tmp_path.iterdir())
