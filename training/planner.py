@@ -25,6 +25,8 @@ from kernels.loss.linear_cross_entropy import default_chunk_rows
 from models.footprint import NO_ACTIVATIONS, LayerActivations
 from parallelisms import ParallelSizes, expert_shard_dim, resolve_sizes, validate_parallel_config
 from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
+from parallelisms.links import (GPUS_PER_NODE, INTERNODE_GB_S, NVLINK_GB_S, LinkConfig, all_to_all_seconds,
+                                ring_seconds)
 from training.config import TrainConfig, validate
 
 GiB = 2**30
@@ -36,9 +38,12 @@ class PlanConfig:
     """``plan.*`` overrides of scripts/plan.py: the machine planned for."""
 
     gpus: int = 0  # world size planned for; 0: launch.nproc_per_node if set above 1, else the smallest world
-    gpus_per_node: int = 8
-    nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
-    internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
+    gpus_per_node: int = GPUS_PER_NODE
+    nvlink_gb_s: float = NVLINK_GB_S  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
+    internode_gb_s: float = INTERNODE_GB_S  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
+    # The all-to-all inside a node; 0: nvlink_gb_s, the link's rate (scripts/simulate.py's sim.a2a_gb_s is NCCL's
+    # calibrated rate, parallelisms/links.py)
+    a2a_gb_s: float = 0.0
     # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (350 TFLOP/s as MFU counts them:
     # docs/results.md#other-measured-costs) without its optimizer time, and with the masked half of attention not
     # counted.
@@ -184,21 +189,20 @@ def group_ranks(s: ParallelSizes, mesh: str) -> list[int]:
     return ranks
 
 
+def machine_links(machine: PlanConfig) -> LinkConfig:
+    """The planner's machine as ``parallelisms.links`` takes it: the all-to-all inside a node at
+    ``plan.a2a_gb_s`` (0: NVLink's rate)."""
+    return LinkConfig(a2a_gb_s=machine.a2a_gb_s or machine.nvlink_gb_s, nvlink_gb_s=machine.nvlink_gb_s,
+                      internode_gb_s=machine.internode_gb_s, gpus_per_node=machine.gpus_per_node)
+
+
 def _link_seconds(kind: str, input_bytes: float, ranks: list[int], machine: PlanConfig) -> float:
-    """One call on one GPU: ring all-gather / reduce-scatter / all-reduce, or an all-to-all with balanced splits,
-    at NVLink speed inside a node and at the NIC's between nodes (the slower link bounds a ring)."""
-    P = len(ranks)
-    if P == 1:
-        return 0.0
-    nodes = {r // machine.gpus_per_node for r in ranks}
+    """One call on rank 0 of its group (``parallelisms.links``): a ring all-gather / reduce-scatter / all-reduce, or
+    an all-to-all with balanced splits (the part bound for other nodes at the NIC's rate)."""
+    links = machine_links(machine)
     if kind == "all_to_all":
-        on_node = sum(r // machine.gpus_per_node == 0 for r in ranks)
-        inside = input_bytes * (on_node - 1) / P / (machine.nvlink_gb_s * 1e9)
-        outside = input_bytes * (P - on_node) / P / (machine.internode_gb_s * 1e9)
-        return max(inside, outside)
-    sent = {"all_gather": input_bytes * (P - 1), "reduce_scatter": input_bytes * (P - 1) / P,
-            "all_reduce": 2 * input_bytes * (P - 1) / P}[kind]
-    return sent / ((machine.internode_gb_s if len(nodes) > 1 else machine.nvlink_gb_s) * 1e9)
+        return all_to_all_seconds([input_bytes / len(ranks)] * len(ranks), ranks, 0, links)
+    return ring_seconds(kind, input_bytes, ranks, links)
 
 
 # ----------------------------------------------------------------------------- communication of one step
