@@ -24,7 +24,8 @@ import models
 from kernels.loss.linear_cross_entropy import default_chunk_rows
 from models.footprint import NO_ACTIVATIONS, LayerActivations
 from parallelisms import ParallelSizes, expert_shard_dim, resolve_sizes, validate_parallel_config
-from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
+from parallelisms.dispatchers import DISPATCHERS, DispatcherConfig, dispatcher_class
+from parallelisms.dispatchers.base import LayerShape, Traffic
 from parallelisms.links import (GPUS_PER_NODE, INTERNODE_GB_S, NVLINK_GB_S, LinkConfig, all_to_all_seconds,
                                 ring_seconds)
 from training.config import TrainConfig, validate
@@ -214,10 +215,36 @@ class StepShape:
     tokens: int  # N: tokens of one micro-batch on this rank (local batch x seq_len / cp)
     micro_batches: int
     compute_bytes: int  # 2 for bf16 compute, 4 for fp32
-    checkpoint: str  # none | full | selective
+    checkpoint: str  # none | full | selective | full_keep_exchange
     dispatcher: str
     moment_bytes: int = FP32  # AdamW's two moments, each (optim.state_dtype)
     backend: str = "fsdp2"  # fsdp2 | ddp | none
+    dispatcher_cfg: DispatcherConfig | None = None  # the dispatcher group's keys (None: the defaults)
+    row_len: int = 0  # positions of a sequence on this rank (seq_len / cp; 0: tokens)
+    round_robin: bool = False  # model.arch.router_force_balance: the routing the simulation runs
+
+    @property
+    def exchange_forwards(self) -> int:
+        """How often each block's forward exchanges run: twice under full checkpointing (the recompute sends
+        again); once where the exchanges' outputs are kept (none, selective, full_keep_exchange)."""
+        return 2 if self.checkpoint == "full" else 1
+
+
+def layer_traffic(model: nn.Module, s: ParallelSizes, step: StepShape) -> list[Traffic]:
+    """What one rank's dispatcher sends in one MoE layer of one micro-batch (``Dispatcher.traffic``); none without
+    EP. A dispatcher that cannot count its traffic (``uncounted_traffic``) is refused by name."""
+    if s.ep == 1:
+        return []
+    dispatcher = dispatcher_class(step.dispatcher)
+    if dispatcher.uncounted_traffic:
+        counted = ", ".join(name for name, cls in sorted(DISPATCHERS.items()) if not cls.uncounted_traffic)
+        raise ValueError(f"dispatcher.name={step.dispatcher!r}: the planner counts the traffic of {counted} only "
+                         f"({step.dispatcher}'s {dispatcher.uncounted_traffic})")
+    args = model.args
+    return dispatcher.traffic(LayerShape(
+        tokens=step.tokens, top_k=args.num_experts_per_tok, num_experts=args.num_experts, ep=s.ep,
+        hidden=args.hidden_size, element_bytes=step.compute_bytes, row_len=step.row_len or step.tokens,
+        round_robin=step.round_robin, cfg=step.dispatcher_cfg or DispatcherConfig(step.dispatcher)))
 
 
 def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: ParallelSizes, step: StepShape,
@@ -246,25 +273,13 @@ def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: 
         add("all_reduce", u.replicate_mesh, u.name, 1, u.shard * FP32, False)
     _merge_units(out)
 
-    args = model.args
     layers = len(spec.named_blocks(model))  # every MoE block: an MTP head's too
-    forwards = 2 if step.checkpoint == "full" else 1  # full checkpointing runs each block's forward again
-    if s.ep > 1:
-        # What the dispatcher declares (parallelisms/dispatchers/base.py): one count exchange and four row
-        # all-to-alls per layer, each in ``chunks`` parts, where its traffic can be counted at all.
-        dispatcher = dispatcher_class(step.dispatcher)
-        if dispatcher.uncounted_traffic:
-            counted = ", ".join(name for name, cls in sorted(DISPATCHERS.items()) if not cls.uncounted_traffic)
-            raise ValueError(f"dispatcher.name={step.dispatcher!r}: the planner counts the traffic of {counted} only "
-                             f"({step.dispatcher}'s {dispatcher.uncounted_traffic})")
-        chunks = dispatcher.chunks
-        calls = layers * forwards
-        add("all_to_all", "ep", "expert counts", calls, calls * chunks * args.num_experts * INT64, True)
-        # Dispatch and combine in each forward and once more each in backward; summed over the ep ranks, the rows
-        # received equal the rows sent, tokens x top-k.
-        calls = layers * (2 * forwards + 2) * chunks
-        add("all_to_all", "ep", "routed rows", calls,
-            calls // chunks * step.tokens * args.num_experts_per_tok * args.hidden_size * b, True)
+    forwards = step.exchange_forwards
+    # What the dispatcher declares it sends per layer (parallelisms/dispatchers/base.py: traffic), in each forward
+    # and in the backward; summed over the ep ranks, the rows received equal the rows sent.
+    for t in layer_traffic(model, s, step):
+        add("all_to_all", "ep", t.what, layers * (forwards * t.forward_calls + t.backward_calls),
+            layers * (forwards * t.forward_bytes + t.backward_bytes), True)
     if s.cp > 1:
         ops = [m.cp_exchange(s.cp) for m in model.modules() if hasattr(m, "cp_exchange")]
         passes = forwards + 1  # each forward, and the backward's mirror image
@@ -329,8 +344,12 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
         return N * (elements * b + fp32 * FP32)
 
     full = [nbytes(a.none, a.none_fp32) for a in per_layer]
+    # full_keep_exchange: full's block input and what the layer's forward all-to-alls received (their outputs, the
+    # size of what it sent)
+    exchanged = sum(t.forward_bytes for t in layer_traffic(model, s, step))
     kept = {"none": full, "selective": [nbytes(a.selective, a.selective_fp32) for a in per_layer],
-            "full": [N * args.hidden_size * b for _ in per_layer]}
+            "full": [N * args.hidden_size * b for _ in per_layer],
+            "full_keep_exchange": [N * args.hidden_size * b + exchanged for _ in per_layer]}
     recompute = {mode: max(max(f - k, 0) for f, k in zip(full, layers)) for mode, layers in kept.items()}
     # An MTP head's own parts outside its block are never checkpointed; its rows double the LM head's.
     mtp = model.mtp.saved_activations() if model.mtp is not None else NO_ACTIVATIONS
@@ -414,6 +433,7 @@ def build_meta_model(cfg: TrainConfig) -> tuple[models.ModelSpec, nn.Module]:
 
 # Full checkpointing runs the forward (1 of a step's 3 parts) again: what it executes over the FLOPs it counts.
 FULL_CHECKPOINT_RECOMPUTE = 4 / 3
+RECOMPUTING_MODES = ("full", "full_keep_exchange")  # the checkpointing modes that run every block's forward again
 
 _MAX_WORLD = 1 << 16  # the largest world smallest_world tries
 
@@ -456,11 +476,12 @@ def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, n
                      compute_bytes=FP32 if cfg.train.mixed_precision == "fp32" else 2,
                      checkpoint=cfg.parallel.activation_checkpoint, dispatcher=cfg.dispatcher.name,
                      moment_bytes=2 if cfg.optim.state_dtype == "bfloat16" else FP32,
-                     backend=cfg.parallel.backend.name)
+                     backend=cfg.parallel.backend.name, dispatcher_cfg=cfg.dispatcher,
+                     row_len=cfg.data.seq_len // s.cp, round_robin=bool(args.router_force_balance))
     units = fsdp_units(model, spec, s, step.backend)
     comms = collectives(model, spec, units, s, step, machine)
     tokens = step.tokens * step.micro_batches
-    recompute = FULL_CHECKPOINT_RECOMPUTE if step.checkpoint == "full" else 1.0
+    recompute = FULL_CHECKPOINT_RECOMPUTE if step.checkpoint in RECOMPUTING_MODES else 1.0
     compute_s = tokens * causal_flops_per_token(args, cfg.data.seq_len) * recompute / (machine.tflops * 1e12)
     # AdamW reads parameter (fp32), gradient (fp32) and both moments and writes parameter and moments back.
     optimizer_s = sum(u.shard for u in units) * (3 * FP32 + 4 * step.moment_bytes) / (machine.hbm_gb_s * 1e9)
