@@ -54,7 +54,7 @@ from plan import read_args  # noqa: E402
 from core import device  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
 from parallelisms.links import A2A_GB_S, COMM_SMS  # noqa: E402
-from training.planner import FULL_CHECKPOINT_RECOMPUTE, GiB, advise, plan  # noqa: E402
+from training.planner import FULL_CHECKPOINT_RECOMPUTE, RECOMPUTING_MODES, GiB, advise, plan  # noqa: E402
 from training.run_dir import RECORD_FILE  # noqa: E402
 
 SIM_KEYS = {"world": 8, "rank": 0, "steps": 8, "routing": "balanced", "data": "random", "out": "",
@@ -237,7 +237,8 @@ def _measured(cfg, paper, history: list[dict], profile: dict) -> dict:
 def _rates(cfg, tokens: int, history: list[dict], seconds: float) -> dict:
     """The step's FLOP rate over ``seconds``: as the trainer counts (torchtitan's), and executed (full
     checkpointing's second forward counted; selective: what it recomputes depends on the ops, so none), and MFU."""
-    recompute = {"none": 1.0, "full": FULL_CHECKPOINT_RECOMPUTE}.get(cfg.parallel.activation_checkpoint)
+    recompute = (FULL_CHECKPOINT_RECOMPUTE if cfg.parallel.activation_checkpoint in RECOMPUTING_MODES
+                 else {"none": 1.0}.get(cfg.parallel.activation_checkpoint))
     flops = tokens * history[-1]["tflops_per_device"] * 1e12 / history[-1]["tokens_per_s_per_device"]
     peak = device.peak_tflops(cfg.train.device if cfg.train.device != "auto" else device.device_type())
     return {"compute_tflops": flops / seconds / 1e12,

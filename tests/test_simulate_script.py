@@ -46,7 +46,7 @@ def _history() -> list[dict]:
 
 def _cfg(checkpoint: str) -> SimpleNamespace:
     return SimpleNamespace(parallel=SimpleNamespace(activation_checkpoint=checkpoint, name="ep8"),
-                           train=SimpleNamespace(device="cpu"))
+                           train=SimpleNamespace(device="cpu"), dispatcher=SimpleNamespace(name="fused"))
 
 
 PROFILE = {"loopback_ms": {"all_to_all": 100.0, "all_gather": 7.0}, "busy_ms": 1.0, "idle_ms": 0.0, "wall_ms": 1.0,
@@ -70,7 +70,8 @@ def test_the_paper_prediction_adds_the_calibrated_exchange_and_the_unhidden_fsdp
     assert r["plan_tokens_per_s_per_gpu"] == 1234.0
 
 
-@pytest.mark.parametrize("checkpoint, executed", [("none", 409.6), ("full", 409.6 * 4 / 3), ("selective", None)])
+@pytest.mark.parametrize("checkpoint, executed", [("none", 409.6), ("full", 409.6 * 4 / 3), ("selective", None),
+                                                  ("full_keep_exchange", 409.6 * 4 / 3)])
 def test_the_executed_rate_counts_full_checkpointings_second_forward(checkpoint, executed):
     # The FLOPs of a step: 4,096 tokens x 100 TFLOP/s / 1,000 tokens/s = 4.096e14, over 1.0 s of compute.
     r = simulate.predict(_cfg(checkpoint), _plan(0.2, 0.4), _history(), PROFILE, _plan(0.6, 0.4))
@@ -87,6 +88,8 @@ def test_the_executed_rate_counts_full_checkpointings_second_forward(checkpoint,
     ("sim.a2a_gb_s=fast", r"^sim.a2a_gb_s=fast must be a number"),
     ("sim.a2a_gb_s=0", r"^sim.a2a_gb_s=0.0 must be > 0"),
     ("sim.routing=random", r"^sim.routing=random must be balanced or learned$"),
+    ("sim.links=maybe", r"^sim.links=maybe must be on \(each collective held for its link time\) or off"),
+    ("sim.comm_sms=0", r"^sim.comm_sms=0 must be >= 1"),
     ("sim.wrld=4", r"^sim has no key 'wrld'"),
 ])
 def test_a_bad_sim_value_is_one_line_naming_the_key_before_anything_is_written(arg, error, tmp_path, monkeypatch):
@@ -140,3 +143,15 @@ def test_a_simulation_that_fails_leaves_nothing_behind(given, tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"parallel.ep_size=2 must divide"):
         simulate.main(["parallel=ep2", "sim.world=3", *([f"sim.out={out}"] if given else [])])
     assert not list(tmp_path.iterdir())
+
+
+def test_the_emulated_prediction_is_the_measured_step():
+    """sim.links=on: the median timed step (1.1 s) is the prediction; the compute's rate is over the profile's busy
+    time (0.8 s here), the planner's link time at the same rates beside it."""
+    profile = {**PROFILE, "busy_ms": 800.0}
+    r = simulate.emulated(_cfg("full"), _plan(0.2, 0.4), _history(), profile, _plan(0.6, 0.4), {"all_to_all": 0.55})
+    assert r["predicted_step_s"] == r["step_s"] == pytest.approx(1.1) and r["links"] == "emulated"
+    assert r["predicted_tokens_per_s_per_gpu"] == pytest.approx(4096 / 1.1)
+    assert r["busy_s"] == pytest.approx(0.8) and r["held_link_s"] == {"all_to_all": 0.55}
+    assert r["planned_exposed_link_s"] == pytest.approx(0.6) and r["planned_hidden_link_s"] == pytest.approx(0.4)
+    assert r["compute_tflops"] == pytest.approx(409.6 / 0.8) and r["executed_tflops"] == pytest.approx(409.6 / 0.6)

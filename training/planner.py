@@ -25,7 +25,7 @@ from kernels.loss.linear_cross_entropy import default_chunk_rows
 from models.footprint import NO_ACTIVATIONS, LayerActivations
 from parallelisms import ParallelSizes, expert_shard_dim, resolve_sizes, validate_parallel_config
 from parallelisms.dispatchers import DISPATCHERS, DispatcherConfig, dispatcher_class
-from parallelisms.dispatchers.base import LayerShape, Traffic
+from parallelisms.dispatchers.base import LayerShape, Traffic, token_ranks
 from parallelisms.links import (GPUS_PER_NODE, INTERNODE_GB_S, NVLINK_GB_S, LinkConfig, all_to_all_seconds,
                                 ring_seconds)
 from training.config import TrainConfig, validate
@@ -528,6 +528,72 @@ def sweep(cfg: TrainConfig, machine: PlanConfig) -> list[tuple[TrainConfig, Plan
         except ValueError:
             continue  # a layout this model or sequence length does not allow (heads, experts)
     return sorted(plans, key=lambda c_p: (not fits(c_p[1], machine), -c_p[1].tokens_per_s_per_gpu))
+
+
+# ----------------------------------------------------------------------------- the exchange's levers
+
+def exchange_variants(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
+    """The settings of ``cfg``'s job that change what its EP exchange sends (the layout, batch and everything else
+    kept): dispatcher fused or dedup, the dispatch in e4m3 or not, and under full checkpointing the recompute with
+    or without sending the exchanges again; each with the overrides that select it."""
+    modes = [cfg.parallel.activation_checkpoint]
+    if cfg.parallel.activation_checkpoint in RECOMPUTING_MODES:
+        modes = list(RECOMPUTING_MODES)
+    variants = []
+    for name in ("fused", "dedup"):
+        for fp8 in (False, True):
+            for mode in modes:
+                overrides = [f"dispatcher={name}", *(["dispatcher.fp8_dispatch=true"] if fp8 else []),
+                             f"parallel.activation_checkpoint={mode}"]
+                variants.append((" ".join(overrides), dataclasses.replace(
+                    cfg, dispatcher=DispatcherConfig(name, fp8_dispatch=fp8),
+                    parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))))
+    return variants
+
+
+def advise(cfg: TrainConfig, machine: PlanConfig) -> list[str]:
+    """Which setting of the exchange the planner would choose for this job, and why: each of
+    ``exchange_variants`` planned on ``machine`` (its all-to-all at plan.a2a_gb_s), the fastest that fits first,
+    beside the configured one. What the paper cannot count is said: domino's overlap (the emulated links measure
+    it: scripts/simulate.py), and which routing dedup's rows assume."""
+    built = build_meta_model(cfg)
+    world = machine.gpus or default_world(cfg, built)[0]
+    machine = dataclasses.replace(machine, gpus=world)
+    s = resolve_sizes(cfg.parallel, world)
+    if s.ep == 1:
+        return ["choice: no expert parallelism (parallel.ep_size=1), so no EP exchange to choose a setting for"]
+    planned = []
+    for overrides, variant in exchange_variants(cfg):
+        p = plan(variant, machine, built)
+        ep_bytes = sum(c.bytes for c in p.collectives if c.mesh == "ep") / p.sizes.world_size
+        exposed = sum(c.seconds for c in p.collectives if c.exposed)
+        planned.append((overrides, p, ep_bytes, exposed))
+    current = plan(cfg, machine, built)
+    best = max((v for v in planned if fits(v[1], machine)), key=lambda v: v[1].tokens_per_s_per_gpu, default=None)
+    args = built[1].args
+    rate = machine.a2a_gb_s or machine.nvlink_gb_s
+    lines = [f"choice for the exchange (the planner's numbers: {world} GPUs, the all-to-all at {rate:g} GB/s inside a "
+             f"node, {'round-robin' if args.router_force_balance else 'learned (uniform on average)'} routing):"]
+    if best is None:
+        return [*lines, f"  none of the exchange's settings fits {machine.capacity_gib:g} GiB at this layout: "
+                        "python scripts/plan.py <these overrides> plan.sweep=true"]
+    for overrides, p, ep_bytes, exposed in sorted(planned, key=lambda v: -v[1].tokens_per_s_per_gpu)[:4]:
+        mark = "->" if overrides == best[0] else "  "
+        lines.append(f"{mark} {overrides}: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, EP exchange "
+                     f"{ep_bytes / GiB:,.1f} GiB per GPU per step, {exposed:.2f} s exposed, peak "
+                     f"{p.memory.peak / GiB:.1f} GiB{'' if fits(p, machine) else ' (does NOT fit)'}")
+    lines.append(f"   configured ({cfg.dispatcher.name}{', fp8 dispatch' if cfg.dispatcher.fp8_dispatch else ''}, "
+                 f"{cfg.parallel.activation_checkpoint} checkpointing): {current.tokens_per_s_per_gpu:,.0f} "
+                 f"tokens/s/GPU, peak {current.memory.peak / GiB:.1f} GiB")
+    shape = LayerShape(tokens=1, top_k=args.num_experts_per_tok, num_experts=args.num_experts, ep=s.ep,
+                       hidden=args.hidden_size, element_bytes=2, row_len=cfg.data.seq_len // s.cp,
+                       round_robin=bool(args.router_force_balance), cfg=DispatcherConfig("dedup"))
+    lines.append(f"   why: dedup sends {token_ranks(shape):.2f} rows per token, fused {args.num_experts_per_tok} (one "
+                 "per routed slot); the e4m3 dispatch sends D + 4 bytes a row for 2 D; full_keep_exchange sends no "
+                 "exchange again in the recompute and keeps what they received. Not on paper: domino's overlap of "
+                 "its halves (scripts/simulate.py sim.links=on dispatcher=domino measures it). Each is opt-in until "
+                 "measured on the GPU (docs/scaling.md)")
+    return lines
 
 
 # The share of a device's memory a run's allocated peak can reach: the rest goes to the CUDA context and the caching
