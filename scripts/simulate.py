@@ -8,7 +8,7 @@ default 8, the last two profiled; routing: balanced (default: ``model.arch.route
 case) or learned; data: random (default: random token ids, no documents) or config (the configured data); out: the
 simulation's directory, new or empty (default: a temporary one); links: on (default) or off; a2a_gb_s: the
 all-to-all's rate inside a node, default 130, calibrated in docs/scaling.md; comm_sms: the SMs an emulated
-collective occupies, default 24) and ``plan.*`` (the machine: nvlink_gb_s, internode_gb_s, gpus_per_node; scripts/
+collective occupies, default 24; advise: on (default) or off, the planner's choice for the job) and ``plan.*`` (the machine: nvlink_gb_s, internode_gb_s, gpus_per_node; scripts/
 plan.py). train.py runs as rank ``sim.rank`` of the job under the loopback world (``launch.simulate_world``,
 parallelisms/loopback.py): the real rank's shards, prefetch chains, dispatcher and kernels, every collective a local
 copy.
@@ -58,7 +58,7 @@ from training.planner import FULL_CHECKPOINT_RECOMPUTE, RECOMPUTING_MODES, GiB, 
 from training.run_dir import RECORD_FILE  # noqa: E402
 
 SIM_KEYS = {"world": 8, "rank": 0, "steps": 8, "routing": "balanced", "data": "random", "out": "",
-            "links": "on", "a2a_gb_s": A2A_GB_S, "comm_sms": COMM_SMS}
+            "links": "on", "a2a_gb_s": A2A_GB_S, "comm_sms": COMM_SMS, "advise": "on"}
 # What each key holds, for the line that refuses a value.
 _MEANING = {"world": "the simulated job's ranks", "rank": "which of them this process is",
             "steps": "steps trained, the last two profiled", "a2a_gb_s": "GB/s of the all-to-all inside a node",
@@ -94,6 +94,8 @@ def sim_args(argv: list[str]) -> tuple[dict, list[str]]:
         (sim["links"] in ("on", "off"), f"sim.links={sim['links']} must be on (each collective held for its link "
                                         "time) or off (copies alone, the link time added on paper)"),
         (sim["comm_sms"] >= 1, f"sim.comm_sms={sim['comm_sms']} must be >= 1 ({_MEANING['comm_sms']})"),
+        (sim["advise"] in ("on", "off"), f"sim.advise={sim['advise']} must be on (the planner's choice for the job, "
+                                         "a few seconds) or off"),
     ]
     for ok, line in checks:
         if not ok:
@@ -165,8 +167,9 @@ def main(argv: list[str]) -> dict:
     return report
 
 
-def simulate(sim: dict, rest: list[str], out: Path) -> dict:
-    """Run the rank (train.py in this process) and write and print its report, which it returns."""
+def simulate(sim: dict, rest: list[str], out: Path, advice: bool = True) -> dict:
+    """Run the rank (train.py in this process) and write and print its report, which it returns; ``advice``: with
+    the planner's choice for the job (``training.planner.advise``)."""
     given = sorted({a.split("=")[0] for a in rest if a.lstrip("+~").startswith("launch.links.")})
     if given:
         raise ValueError(f"{', '.join(given)}: scripts/simulate.py sets the links from sim.links, sim.a2a_gb_s, "
@@ -207,7 +210,8 @@ def simulate(sim: dict, rest: list[str], out: Path) -> dict:
         report = emulated(cfg, paper, history, profile, calibrated, dict(held))
     else:
         report = predict(cfg, paper, history, profile, calibrated)
-    report["advice"] = advise(cfg, dataclasses.replace(machine, a2a_gb_s=sim["a2a_gb_s"]))
+    report["advice"] = (advise(cfg, dataclasses.replace(machine, a2a_gb_s=sim["a2a_gb_s"]))
+                        if advice and sim["advise"] == "on" else [])
     (out / "simulation.json").write_text(json.dumps(report, indent=1))
     print_report(report, sim)
     return report

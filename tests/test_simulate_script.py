@@ -155,3 +155,31 @@ def test_the_emulated_prediction_is_the_measured_step():
     assert r["busy_s"] == pytest.approx(0.8) and r["held_link_s"] == {"all_to_all": 0.55}
     assert r["planned_exposed_link_s"] == pytest.approx(0.6) and r["planned_hidden_link_s"] == pytest.approx(0.4)
     assert r["compute_tflops"] == pytest.approx(409.6 / 0.8) and r["executed_tflops"] == pytest.approx(409.6 / 0.6)
+
+
+_calibrate_spec = importlib.util.spec_from_file_location("calibrate_links", REPO / "scripts" / "calibrate_links.py")
+calibrate = importlib.util.module_from_spec(_calibrate_spec)
+_calibrate_spec.loader.exec_module(calibrate)
+
+
+def test_the_calibration_fits_the_rate_at_which_the_exposed_exchange_gives_the_measured_step():
+    # At 130 GB/s: a 0.30 s step holding 0.10 s of all-to-all; measured 16,384 / 0.35 s. Fully exposed, the
+    # exchange must take 0.15 s: 130 x 0.10 / 0.15 = 86.7, rounded to 85 GB/s.
+    report = {"step_s": 0.30, "held_link_s": {"all_to_all": 0.10}, "tokens_per_gpu": 16384}
+    assert calibrate.fitted_rate(report, 130.0, 16384 / 0.35) == 85.0
+    assert calibrate.fitted_rate(report, 130.0, 16384 / 0.15) == 130.0  # faster than without any exchange: no rate
+    assert calibrate.fitted_rate({**report, "held_link_s": {}}, 130.0, 1000.0) == 130.0
+
+
+def test_the_calibration_table_says_which_rows_hold_and_the_order_of_domino_and_fused(capsys):
+    def row(label, measured, predicted, baseline):
+        report = {"predicted_tokens_per_s_per_gpu": predicted, "held_link_s": {"all_to_all": 0.05}, "busy_s": 0.2}
+        return {"label": label, "measured": measured, "emulated": report,
+                "baseline": {"predicted_tokens_per_s_per_gpu": baseline}}
+
+    calibrate.print_table({"rate": 120.0, "rows": [row("8 layers, ep2 fused", 53_727, 53_000, 52_408),
+                                                   row("8 layers, ep2 domino", 51_878, 57_000, 52_000)]})
+    out = capsys.readouterr().out
+    assert "| 8 layers, ep2 fused | 53,727 | 53,000 (-1.4%) | yes | 52,408 (-2.5%) | 50.0 | 200.0 |" in out
+    assert "| 8 layers, ep2 domino | 51,878 | 57,000 (+9.9%) | NO |" in out
+    assert "order: fused 53,000 <= domino 57,000 (measured: fused 53,727 > domino 51,878): NOT as measured" in out
