@@ -41,7 +41,7 @@ def _shape(E: int, K: int, P: int, T: int, round_robin: bool) -> LayerShape:
 
 
 @pytest.mark.parametrize("E, K, P, T", [(8, 2, 2, 16), (8, 3, 4, 13), (16, 4, 4, 32), (128, 8, 8, 4096),
-                                        (12, 5, 3, 7)])
+                                        (12, 5, 3, 7), (8, 7, 2, 9)])  # the last: runs that wrap onto their first rank
 def test_the_ranks_a_token_reaches_under_round_robin_routing_are_counted_exactly(E, K, P, T):
     experts_TK = round_robin_experts(T, E, K, T, torch.device("cpu"))
     brute = sum(len(set((row // (E // P)).tolist())) for row in experts_TK)

@@ -74,22 +74,27 @@ def recorder(monkeypatch):
 
 
 def test_a_collective_holds_its_link_time_and_returns_the_copies(recorder):
-    loopback.init_loopback_world(8, 5, "cpu", LINKS)  # rank 5: node 1 of 4 GPUs a node
-    group = dist.new_group([4, 5, 6, 7])  # one node: rank 5 is group rank 1
-    x = torch.arange(40.0).view(10, 4).requires_grad_()
-    y = all_to_all_single_autograd(x, [1, 2, 3, 4], [1, 2, 3, 4], group)
+    slow = LinkConfig(emulate=True, a2a_gb_s=1e-3, nvlink_gb_s=4e-3, internode_gb_s=5e-4, gpus_per_node=4,
+                      comm_sms=20)  # bytes per microsecond: every hold a whole number of ns
+    loopback.init_loopback_world(8, 5, "cpu", slow)  # rank 5: node 1 of 4 GPUs a node
+    group = dist.new_group([2, 3, 4, 5])  # two nodes: rank 5 is group rank 3, rank 4 its node's peer
+    x = torch.arange(48.0).view(12, 4).requires_grad_()
+    y = all_to_all_single_autograd(x, [1, 2, 5, 4], [1, 2, 5, 4], group)
     torch.testing.assert_close(y, x.detach(), rtol=0, atol=0)  # every peer returns what it was sent
-    # 16 bytes a row: 1, 3 and 4 rows leave the GPU (2 stay) at 100 GB/s
-    assert recorder.holds == [(round(8 * 16 / 100e9 * 1e9), 20)]
+    # 16 bytes a row: 5 rows to the node's peer at 1 MB/s (80 us), 1 + 2 rows to the other node at 0.5 MB/s (96 us),
+    # at once; the 4 rows kept cross nothing
+    assert recorder.holds == [(96_000, 20)]
     (y * 2).sum().backward()  # the gradient's all-to-all back holds as long
     assert recorder.holds[1] == recorder.holds[0] and torch.equal(x.grad, torch.full_like(x, 2.0))
     out = torch.empty(8)
+    dist.all_gather_into_tensor(out, torch.arange(4.0), group=dist.new_group([4, 5]))  # a ring in one node
+    assert torch.equal(out, torch.arange(4.0).repeat(2)) and recorder.holds[2] == (4_000, 20)  # 16 B at 4 MB/s
     dist.all_gather_into_tensor(out, torch.arange(4.0), group=dist.new_group([3, 5]))  # across nodes: the NIC's
-    assert torch.equal(out, torch.arange(4.0).repeat(2)) and recorder.holds[2] == (round(16 / 50e9 * 1e9), 20)
+    assert recorder.holds[3] == (32_000, 20)
     dist.all_reduce(torch.ones(2), group=dist.new_group([5]))  # a group of one rank takes no time
-    assert len(recorder.holds) == 3
+    assert len(recorder.holds) == 4
     kinds = collections.Counter(kind for kind, _ in loopback.HELD)
-    assert kinds == {"all_to_all": 1, "all_gather": 1}
+    assert kinds == {"all_to_all": 1, "all_gather": 2}
 
 
 def _simulated_step(tmp_path, links: bool) -> dict:
