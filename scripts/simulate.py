@@ -210,8 +210,12 @@ def simulate(sim: dict, rest: list[str], out: Path, advice: bool = True) -> dict
         report = emulated(cfg, paper, history, profile, calibrated, dict(held))
     else:
         report = predict(cfg, paper, history, profile, calibrated)
-    report["advice"] = (advise(cfg, dataclasses.replace(machine, a2a_gb_s=sim["a2a_gb_s"]))
-                        if advice and sim["advise"] == "on" else [])
+    report["advice"] = []
+    if advice and sim["advise"] == "on":
+        try:
+            report["advice"] = advise(cfg, dataclasses.replace(machine, a2a_gb_s=sim["a2a_gb_s"]))
+        except ValueError as e:  # a variant the planner refuses must not lose the measurement
+            report["advice"] = [f"choice for the exchange: not planned ({e})"]
     (out / "simulation.json").write_text(json.dumps(report, indent=1))
     print_report(report, sim)
     return report
