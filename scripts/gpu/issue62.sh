@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Issue 62's measurements on one GPU (written for an H100 80GB, torch 2.11, triton 3.6), from the repository root:
 #
-#   OUT=<dir> bash scripts/gpu/issue62.sh [parts]      parts: checks calib sensitivity levers (default: all four)
+#   OUT=<dir> bash scripts/gpu/issue62.sh [parts]      parts: checks calib sensitivity levers (default: all four);
+#                                                     agreement (2 GPUs) only when named
 #
-# Two device calls of under 9 minutes each (estimates; the first pays Triton's compiles):
+# Two device calls of under 9 minutes each on one H100 (estimates; the first pays Triton's compiles):
 #   OUT=$OUT bash scripts/gpu/issue62.sh checks calib sensitivity     # about 8 minutes
 #   OUT=$OUT bash scripts/gpu/issue62.sh levers                       # about 5 minutes
+# and, on 2 GPUs (nvidia-h100-x2), the levers' bf16 loss curves against fused's (about 4 minutes):
+#   OUT=$OUT bash scripts/gpu/issue62.sh agreement
 # Every part writes its log and simulation.json files under $OUT; summary.md gathers every prediction.
 #
 # checks       the link timer against its reference (scripts/check_kernels.py --ops link_timer) and the stream
@@ -20,6 +23,9 @@
 #              today's main prediction (sim.links=off) beside them
 # levers       the same job at the fitted rate (130 if calib did not run) with each lever, fused beside them:
 #              domino, dedup, the e4m3 dispatch (fused, dedup), dedup with full_keep_exchange
+# agreement    2 GPUs, real torchrun jobs: 4 layers, ep2, chitchat, seq 2048, 100 steps, bf16: fused beside the e4m3
+#              dispatch (fused, domino, dedup) and full checkpointing beside full_keep_exchange;
+#              scripts/compare_runs.py gives each pair's Pearson r of the loss curves (the target: >= 0.999)
 set -uo pipefail
 : "${OUT:?set OUT to the directory for the results}"
 cd "$(dirname "$0")/../.."
@@ -77,7 +83,24 @@ for part in "${PARTS[@]}"; do
         sim.advise=off
       sim "job30b-dedup-fp8-keep-$R" "${JOB30B[@]}" dispatcher=dedup dispatcher.fp8_dispatch=true \
         parallel.activation_checkpoint=full_keep_exchange "sim.a2a_gb_s=$R" sim.advise=off ;;
-    *) echo "unknown part $part (checks, calib, sensitivity, levers)"; exit 2 ;;
+    agreement)
+      runs=()
+      for spec in "fused:dispatcher=fused" "fused-fp8:dispatcher=fused dispatcher.fp8_dispatch=true" \
+                  "domino-fp8:dispatcher=domino dispatcher.fp8_dispatch=true" \
+                  "dedup-fp8:dispatcher=dedup dispatcher.fp8_dispatch=true" \
+                  "fused-full:dispatcher=fused parallel.activation_checkpoint=full" \
+                  "fused-keep:dispatcher=fused parallel.activation_checkpoint=full_keep_exchange"; do
+        name=${spec%%:*}; log "agreement $name"
+        # shellcheck disable=SC2086
+        torchrun --standalone --nproc_per_node 2 train.py model=qwen3_moe_30b_a3b model.arch.num_hidden_layers=4 \
+          parallel=ep2 ${spec#*:} train.steps=100 data.seq_len=2048 train.local_batch_size=4 optim.lr=3e-4 \
+          optim.warmup_steps=10 train.save_final=false "train.output_dir=$OUT/agreement/$name" \
+          > "$OUT/agreement-$name.txt" 2>&1 || log "FAILED agreement $name"
+        runs+=("$OUT/agreement/$name")
+      done
+      python scripts/compare_runs.py "${runs[@]}" --out "$OUT/agreement/report" > "$OUT/agreement.txt" 2>&1
+      cat "$OUT/agreement.txt" ;;
+    *) echo "unknown part $part (checks, calib, sensitivity, levers, agreement)"; exit 2 ;;
   esac
 done
 
