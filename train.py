@@ -198,9 +198,9 @@ def build_model(plan: RunPlan, dims: parallelisms.ParallelDims, dev: torch.devic
     if cfg.train.float8 != "none":  # on meta, before parallelize: AC, EP and FSDP wrap the FP8 modules as any others
         apply_float8(model, spec, cfg.train.float8, dev_type, ep=dims.ep, compiled=cfg.train.compile,
                      tokens=cfg.train.local_batch_size * cfg.data.seq_len // dims.cp)  # per rank, micro-batch
-    model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
-                                           torch.bfloat16 if mixed_bf16(cfg, dev_type) else torch.float32,
-                                           torch.float32, cfg.dispatcher, compile_blocks=cfg.train.compile)
+    model = parallelisms.parallelize_qwen3_moe(model, spec, dims, cfg.parallel,
+                                               torch.bfloat16 if mixed_bf16(cfg, dev_type) else torch.float32,
+                                               torch.float32, cfg.dispatcher, compile_blocks=cfg.train.compile)
     if init_from is not None:
         check_hf_into_model(model, init_from)  # on meta: weights that do not fit allocate nothing
     model.to_empty(device=dev)

@@ -48,10 +48,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from core import device
+from core.torch_compat import group_ranks_named, premul_sum_factor, work_from_future
 from kernels.comm.link import link_timer
 from parallelisms.links import LinkConfig, all_to_all_seconds, ring_seconds
 
@@ -66,7 +66,7 @@ _LINKS = LinkConfig()  # the world's links: init_loopback_world's
 def _done(result) -> dist.Work:
     future: Future = Future()
     future.set_result(result)
-    return _create_work_from_future(future)
+    return work_from_future(future)
 
 
 class _LinkWork(dist.Work):
@@ -102,8 +102,8 @@ def _scale(t: torch.Tensor, op, n: int) -> None:
     R = dist.ReduceOp.RedOpType
     if kind == R.SUM:
         t.mul_(n)
-    elif kind == R.PREMUL_SUM and hasattr(op, "factor"):  # a custom divide factor as NCCL applies it (torch 2.13)
-        t.mul_(op.factor * n)
+    elif kind == R.PREMUL_SUM and (factor := premul_sum_factor(op)) is not None:  # a divide factor, as NCCL applies it
+        t.mul_(factor * n)
     elif kind == R.PRODUCT:
         t.pow_(n)
     elif kind not in (R.AVG, R.MAX, R.MIN, R.BAND, R.BOR):
@@ -148,10 +148,7 @@ class LoopbackGroup(dist.ProcessGroup):
     def global_ranks(self) -> list[int]:
         """The group's ranks in the world, in group order (c10d's record of the group named like this backend)."""
         if self._ranks is None:
-            world = dist.distributed_c10d._world
-            group = next((pg for pg, name in world.pg_names.items() if name == self._name), None)
-            self._ranks = (dist.get_process_group_ranks(group) if group is not None and self._size > 1
-                           else list(range(self._size)))
+            self._ranks = (group_ranks_named(self._name) if self._size > 1 else None) or list(range(self._size))
         return self._ranks
 
     def _ring_seconds(self, kind: str, tensors) -> float:

@@ -3,6 +3,12 @@
     python scripts/check_kernels.py [--full] [--list] [--ops rms_norm,...] [--kernels auto,flash-linear-attention]
                                     [--chunk-size 64] [--device auto]
 
+--kernels: the kernel_config.name whose kernels are checked; by default ``auto``, what the training default
+(kernel_config=auto) can run, in 48 s from cold caches on an H100 (docs/results.md, "Kernels alone"). The Qwen3.5
+rows' FLA delta rule (kernel_config=auto_fla) is ``--kernels auto,flash-linear-attention``: add about 190 s on cold
+caches, FLA's own first autotune of its chunked rule and short convolution, which the first training step with FLA
+pays the same (about 20 s once Triton's cache holds it).
+
 What is checked: every implementation that kernels/registry.py can choose on this device under --kernels, not only
 the one it prefers (DeltaNet's short convolution: FLA's and ours; packed-document attention: cudnn_attention,
 varlen_attn and flex_attention, against the dense-mask reference); one that cannot run here is named with why.
@@ -640,8 +646,9 @@ def _list_env(requested: str) -> Env:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="auto,flash-linear-attention",
-                        help="kernel_config.name: the plugins whose kernels are checked (default: %(default)s)")
+    parser.add_argument("--kernels", default="auto",
+                        help="kernel_config.name: the plugins whose kernels are checked (default: %(default)s, the "
+                             "training default; auto,flash-linear-attention adds FLA's, as kernel_config=auto_fla)")
     parser.add_argument("--chunk-size", type=int, default=64, help="kernel_config.chunk_size (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or npu (default: %(default)s)")
     parser.add_argument("--ops", default="", help="comma-separated ops to check (default: every one)")

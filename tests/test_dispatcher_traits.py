@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
-from parallelisms import build_parallel_dims, parallelize_model
+from parallelisms import build_parallel_dims, parallelize_qwen3_moe
 from parallelisms.dispatchers import DISPATCHERS, Dispatcher, base
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from tests.dist_utils import debug_model_args
@@ -113,7 +113,7 @@ def test_the_toy_takes_only_the_keys_it_declares(toy, monkeypatch):
     monkeypatch.setattr(toy, "config_keys", ("capacity_factor",))
     validate(toy_config(["dispatcher.capacity_factor=-1"]))  # its own: capacity's range check is capacity's
     with pytest.raises(ValueError, match=r"^dispatcher.capacity_factor applies to dispatcher=capacity, toy only, "
-                                         r"not eager$"):
+                                         r"not fused$"):
         validate(compose_config(["dispatcher.capacity_factor=3"]))
     with pytest.raises(ValueError, match=r"^dispatcher.capacity_factor=-1.0 must be > 0"):
         validate(compose_config(["dispatcher=capacity", "dispatcher.capacity_factor=-1"]))
@@ -133,7 +133,7 @@ def _parallelize(cfg) -> set[type]:
         spec = models.get_spec("qwen3_moe")
         with torch.device("meta"):
             model = spec.model_cls(debug_model_args())
-        parallelize_model(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
+        parallelize_qwen3_moe(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
         return {type(block.get_submodule(spec.experts).dispatcher) for block in model.get_submodule(spec.blocks)}
     finally:
         dist.destroy_process_group()

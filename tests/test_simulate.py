@@ -266,7 +266,7 @@ def test_scripts_simulate_measures_a_rank_and_predicts_the_job(tmp_path):
     out = _simulate_script("parallel=ep2", "sim.world=4", "sim.steps=3", "train.local_batch_size=2", "data.seq_len=32",
                            f"sim.out={tmp_path}", "sim.links=off")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "rank 0 of 4 (ep2, dispatcher eager, routing balanced, 64 tokens per GPU per step)" in out.stdout
+    assert "rank 0 of 4 (ep2, dispatcher fused, routing balanced, 64 tokens per GPU per step)" in out.stdout
     report = json.loads((tmp_path / "simulation.json").read_text())
     assert report["world"] == 4 and report["predicted_tokens_per_s_per_gpu"] > 0 and report["links"] == "off"
     assert report["executed_tflops"] == report["compute_tflops"]  # no checkpointing: nothing ran twice

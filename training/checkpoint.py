@@ -38,8 +38,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -48,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from core.files import atomic_write, atomic_write_text, nearest_existing, record_paths, record_problems
 from core.safetensors_stream import layout_of, save_file_order, stream_gathered, write_safetensors
+from core.torch_compat import DCP_METADATA_GLOBALS, flatten_state_dict, set_element
 
 logger = logging.getLogger("train")
 
@@ -74,18 +73,11 @@ class CheckpointConfig:
 
 
 # ------------------------------------------------------------------------------------------ safe reading
-# Everything DCP's metadata pickle is made of (checked on torch 2.11 and 2.13), as exact (module, name) pairs.
+# Everything DCP's metadata pickle is made of (torch's globals: core.torch_compat), as exact (module, name) pairs.
 # Names are compared whole, so pickle's dotted-name lookup (``metadata.os.system``) never happens.
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_METADATA_GLOBALS = frozenset({
-    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "TensorStorageMetadata"), (_DCP_METADATA, "BytesStorageMetadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"), (_DCP_METADATA, "TensorProperties"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib._local", "PosixPath"),  # Python >= 3.13
-    *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
-})
+_METADATA_GLOBALS = DCP_METADATA_GLOBALS | {
+    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # Python >= 3.13
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

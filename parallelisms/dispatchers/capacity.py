@@ -35,9 +35,9 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from core import device
+from core.torch_compat import all_to_all_single, all_to_all_single_autograd
 from kernels.moe.permute import gather_sum, inverse_permutation, unpermute
 from models.moe import ExpertWeights, expert_counts
 from parallelisms.dispatchers import local_ops

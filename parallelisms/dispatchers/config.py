@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 @dataclass
 class DispatcherConfig:
-    name: str = "eager"  # a registered dispatcher (parallelisms/dispatchers, docs/dispatchers.md)
+    # A registered dispatcher (parallelisms/dispatchers, docs/dispatchers.md); eager is the readable reference
+    name: str = "fused"
     # dispatcher=capacity only: rows each ep rank sends every peer, ceil(capacity_factor * N * K / ep) (at most
     # N * K, reached from capacity_factor >= ep, which never overflows); more rows for one peer stop the run.
     capacity_factor: float = 2.0

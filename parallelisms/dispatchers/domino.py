@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core.torch_compat import C10D_FUNCTIONAL
 from models.moe import ExpertWeights
 from parallelisms.dispatchers import local_ops
 from parallelisms.dispatchers.base import Dispatcher, register
@@ -29,8 +30,8 @@ from parallelisms.dispatchers.common import exchange_counts
 from parallelisms.dispatchers.config import DispatcherConfig
 from parallelisms.dispatchers.fp8 import Fp8InFlight, fp8_configured
 
-_all_to_all = torch.ops._c10d_functional.all_to_all_single
-_wait = torch.ops._c10d_functional.wait_tensor
+_all_to_all = C10D_FUNCTIONAL.all_to_all_single
+_wait = C10D_FUNCTIONAL.wait_tensor
 
 
 @dataclass

@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from core.torch_compat import C10D_FUNCTIONAL
 from kernels.float8.grouped_mm import FP8
 from kernels.float8.permute import gather_quantize_rows
 
-_all_to_all = torch.ops._c10d_functional.all_to_all_single
-_wait = torch.ops._c10d_functional.wait_tensor
+_all_to_all = C10D_FUNCTIONAL.all_to_all_single
+_wait = C10D_FUNCTIONAL.wait_tensor
 SCALE_BYTES = 4
 
 

@@ -12,8 +12,8 @@ kept for backward. On NPU the same steps run torch_npu's fused permute / unpermu
 from __future__ import annotations
 
 import torch
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from core.torch_compat import all_to_all_single_autograd
 from models.moe import ExpertWeights
 from parallelisms.dispatchers import local_ops
 from parallelisms.dispatchers.base import Dispatcher, register

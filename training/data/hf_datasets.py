@@ -5,6 +5,7 @@
 written by ``Dataset.save_to_disk``. One document per row of ``data.column``: a string is a text, a list of
 {"role", "content"} is a chat, rendered and masked as data=jsonl does (``training.data.tokenize_shards``). Parquet and json
 are converted once to arrow under ``<data.cache_dir>/hf`` by ``datasets``; arrow files are memory-mapped in place.
+Images are not read here: an image column, or an image part in a chat, is refused by name (never dropped).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.data.chat import Doc, checked_messages, document
+from training.data.chat import VISION_ONLY, Doc, checked_messages, document
 from training.data.tokenize_shards import Shard, shard_name
 from training.data.tokenizer import QwenTokenizer
 
+IMAGE_COLUMNS = ("images", "image", "videos", "video")  # multimodal columns: refused, never dropped
 HF_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}  # suffix -> builder
 SAVED = "saved"  # the format of a save_to_disk directory
 _SAVED_FILES = ("state.json", "dataset_info.json")
@@ -102,6 +104,10 @@ def row_document(value: object, column: str) -> str | list[dict]:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
+        # arrow gives a list of parts as structs with every field of any part: the fields a part lacks are None
+        value = [{**msg, "content": [{k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+                                     for part in msg["content"]]}
+                 if isinstance(msg, dict) and isinstance(msg.get("content"), list) else msg for msg in value]
         return checked_messages(value, f"column {column!r}")
     got = "null" if value is None else type(value).__name__
     raise ValueError(f"column {column!r} must hold a text (string) or a chat (a list of {{role, content}}), got {got}")
@@ -152,4 +158,10 @@ def hf_corpus(path: str, column: str | None, cache_dir: str, key: str = "data.pa
     """The corpus of ``path``'s files, its column picked (opens the dataset: ``datasets`` converts it on first use)."""
     fmt, paths = hf_files(path, key)
     dataset = open_dataset(fmt, paths, cache_dir)
+    media = [c for c in dataset.column_names if c.lower() in IMAGE_COLUMNS]
+    if media:
+        raise ValueError(f"{key}={path} ({', '.join(map(str, paths[:2]))}{', ...' if len(paths) > 2 else ''}) has "
+                         f"the column {media[0]!r}: data=hf reads one text or messages column, so the images would be "
+                         f"dropped and the chats trained as text; {VISION_ONLY} (image parts in the "
+                         "messages), or remove the column")
     return HfCorpus(path, fmt, paths, pick_column(list(dataset.column_names), column), cache_dir)
