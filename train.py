@@ -178,7 +178,7 @@ def start_processes(cfg: TrainConfig, dev_type: str) -> tuple[parallelisms.Paral
     this rank's device."""
     world = World.of(cfg.launch)
     if cfg.launch.simulate_world:
-        parallelisms.init_loopback_world(world.size, world.rank, dev_type)
+        parallelisms.init_loopback_world(world.size, world.rank, dev_type, cfg.launch.links)
     parallelisms.init_distributed(dev_type, cfg.parallel)
     dims = parallelisms.build_parallel_dims(cfg.parallel, world.size, world.rank, dev_type,
                                             simulated=cfg.launch.simulate_world > 0)

@@ -109,6 +109,13 @@ def work_from_future(future: torch.futures.Future) -> dist.Work:
     return _create_work_from_future(future)
 
 
+def group_ranks_named(name: str) -> list[int] | None:
+    """The global ranks of the process group c10d registered under ``name`` (what a Python backend, the loopback
+    world's, knows of its own group), or None where none is. 2.11-2.14: the same, private (c10d's _world)."""
+    group = next((pg for pg, pg_name in dist.distributed_c10d._world.pg_names.items() if pg_name == name), None)
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
 def premul_sum_factor(op: Any) -> float | None:
     """The factor of a PREMUL_SUM ``ReduceOp`` (FSDP2's custom gradient divide factor, as NCCL applies it), or None
     where torch does not expose it to Python. torch 2.13 does (``ReduceOp.factor``, pytorch/pytorch#185863); 2.11

@@ -1,5 +1,8 @@
-"""Activation checkpointing of the decoder blocks: none, full (recompute the whole block in backward) or
-selective (keep the outputs of the expensive ops, recompute the cheap elementwise ones).
+"""Activation checkpointing of the decoder blocks: none, full (recompute the whole block in backward), selective
+(keep the outputs of the expensive ops, recompute the cheap elementwise ones) or full_keep_exchange (recompute the
+whole block but its exchanges: what each all-to-all received, EP's and CP's, is kept from the forward, so the
+recompute sends nothing again; its counts' host read reads the kept counts). full_keep_exchange keeps, per token
+and layer, full's block input and the exchanges' outputs: selective's all-to-all part (training/planner.py).
 
 The composable ``checkpoint`` hooks the block in place, so parameter names (and with them state dicts,
 loaders and FSDP units) stay exactly as without checkpointing; a wrapper module would add a prefix.
@@ -38,8 +41,18 @@ _SAVED_NPU_OPS = {"npu::npu_grouped_matmul", "npu::npu_alltoallv_gmm", "npu::npu
 SAC_IGNORED_OPS.update(PROFILER_RANGE_OPS)
 
 
+# Kept under full_keep_exchange: the exchanges alone (MC2's fuse the exchange into a grouped matmul: kept whole).
+_EXCHANGE_OPS = {C10D_FUNCTIONAL.all_to_all_single.default}
+_EXCHANGE_NPU_OPS = {"npu::npu_alltoallv_gmm", "npu::npu_gmm_alltoallv"}
+
+
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     saved = op in _SAVED_OPS or (op.namespace == "npu" and op_schema_name(op) in _SAVED_NPU_OPS)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _exchange_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    saved = op in _EXCHANGE_OPS or (op.namespace == "npu" and op_schema_name(op) in _EXCHANGE_NPU_OPS)
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -47,6 +60,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module] | nn.ModuleList, mode
     """Checkpoint every block as ``mode`` says (a validated parallel.activation_checkpoint)."""
     if mode == "none":
         return
-    context_fn = partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None
+    policy = {"selective": _policy, "full_keep_exchange": _exchange_policy}.get(mode)
+    context_fn = partial(create_selective_checkpoint_contexts, policy) if policy else None
     for block in blocks:
         checkpoint(block, context_fn=context_fn)

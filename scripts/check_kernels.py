@@ -378,6 +378,25 @@ def _both_dtypes(make_case: Callable[..., Case], name: str, *args, **kwargs) -> 
             for label, dtype in (("bf16", BF16), ("fp32", FP32))]
 
 
+def _link_case(name: str, ms: float, sms: int, default: bool = False) -> Case:
+    """The loopback world's link timer holding its stream ``ms`` on ``sms`` SMs: the output is the time the stream
+    was held (device events around clock + hold) over ``ms``, about 1 for the kernel and for the reference (which
+    waits on the host); 0.1 allows the timer's launch and the events' resolution."""
+
+    def call(timer, t: Inputs) -> torch.Tensor:
+        x, module = t["x"], device.module(t["x"].device.type)
+        timer.hold(timer.clock(x), 0, sms, x)  # its kernels compiled (a first call's compile would be timed)
+        module.synchronize()
+        begin, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+        begin.record()
+        timer.hold(timer.clock(x), int(ms * 1e6), sms, x)
+        end.record()
+        end.synchronize()
+        return torch.tensor([begin.elapsed_time(end) / ms], device=x.device)
+
+    return Case(name, lambda gen, dev: {"x": _randn(gen, dev, 3, 5)}, call, 0.1, backward=False, default=default)
+
+
 # Each op's cases: the default run's first (default=True: small, awkward), then the model shapes --full adds.
 ODD = f"{N_ODD} tokens x {D_ODD}"
 CASES: dict[str, list[Case]] = {
@@ -461,6 +480,8 @@ CASES: dict[str, list[Case]] = {
                       _cast_case("777 x 1001 bf16 -> fp32, divided by 3", 3.0, (777, 1001), default=True),
                       _cast_case("4M bf16 -> fp32", 1.0), _cast_case("4M bf16 -> fp32, divided by 3", 3.0)],
     "adamw_step": [*_adamw_cases("999,999 params", 999_999, default=True), *_adamw_cases("4M params", 1 << 22)],
+    "link_timer": [_link_case("a 3 ms link on 24 SMs", 3.0, 24, default=True),
+                   _link_case("a 20 ms link on 32 SMs", 20.0, 32)],
     # Every implementation against the dense mask (--full then times each on a 32k window: time_attention_window).
     "document_attention": [
         Case("qwen3.5 16/2 x 256, 2 x 1000 mixed docs <= 400",

@@ -82,12 +82,12 @@ def test_the_planner_plans_the_toy_by_its_traits(toy, monkeypatch, traits, twin,
 
 def test_the_planner_refuses_to_count_what_the_toy_says_it_cannot(toy, monkeypatch):
     # Counted by default, so it joins the list the planner gives for one it cannot count.
-    with pytest.raises(ValueError, match=r"counts the traffic of domino, eager, fused, toy only \(dedup's depends on "
-                                         r"routing\)$"):
-        plan(compose_config([*TINY_MODEL, "parallel=ep2", "dispatcher=dedup"]), PlanConfig(gpus=4))
+    with pytest.raises(ValueError, match=r"counts the traffic of capacity, dedup, domino, eager, fused, toy only "
+                                         r"\(mc2's moves inside MC2's grouped matmuls"):
+        plan(compose_config([*TINY_MODEL, "parallel=ep2", "dispatcher=mc2"]), PlanConfig(gpus=4))
     monkeypatch.setattr(toy, "uncounted_traffic", "depends on the weather")
-    with pytest.raises(ValueError, match=r"^dispatcher.name='toy': the planner counts the traffic of domino, eager, "
-                                         r"fused only \(toy's depends on the weather\)$"):
+    with pytest.raises(ValueError, match=r"^dispatcher.name='toy': the planner counts the traffic of capacity, dedup, "
+                                         r"domino, eager, fused only \(toy's depends on the weather\)$"):
         plan(toy_config(["parallel=ep2"]), PlanConfig(gpus=4))
     plan(toy_config(["parallel=fsdp2"]), PlanConfig(gpus=4))  # no EP: no dispatcher, nothing to count
 

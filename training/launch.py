@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ import yaml
 from hydra.experimental.callback import Callback
 
 from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
+from parallelisms.links import LinkConfig, link_errors
 from training.checkpoint import CheckpointError, complete_checkpoints
 
 _RELAUNCHED = "QWEN_MOE_RELAUNCHED"  # set for the children of relaunch_with_torchrun
@@ -62,6 +63,9 @@ class LaunchConfig:
     # (parallelisms/loopback.py; docs/scaling.md): the real job's per-rank work, timed on one device
     simulate_world: int = 0
     simulate_rank: int = 0
+    # The links the simulated job's collectives take (parallelisms/links.py): emulated in the loopback world's
+    # collectives when launch.links.emulate (scripts/simulate.py turns it on), else the collectives are copies alone
+    links: LinkConfig = field(default_factory=LinkConfig)
 
 
 def needs_torchrun(cfg: LaunchConfig) -> bool:
@@ -71,13 +75,17 @@ def needs_torchrun(cfg: LaunchConfig) -> bool:
 def simulation_errors(launch: LaunchConfig, writes: dict[str, str], dispatcher: str) -> list[str]:
     """What a loopback simulation (launch.simulate_world) cannot do, each as the line that refuses it. ``writes``:
     the keys set to write (or resume) a checkpoint, weights or an export, each with the value that turns it off. A
-    simulated checkpoint would hold one rank of N, its peers' shards being copies of its own. ``dispatcher``:
+    simulated checkpoint would hold one rank of N, its peers' shards being copies of its own. ``launch.links`` is
+    checked here too, in one place (``parallelisms.links.link_errors``). ``dispatcher``:
     dispatcher.name, refused where its class declares the loopback cannot stand in for its exchange
     (``Dispatcher.unsimulated``)."""
     n, r = launch.simulate_world, launch.simulate_rank
+    errors = link_errors(launch.links)
     if n == 0:
-        return [] if r == 0 else [f"launch.simulate_rank={r} needs launch.simulate_world (the simulated job's ranks)"]
-    errors = []
+        return errors + ([] if r == 0 else [f"launch.simulate_rank={r} needs launch.simulate_world (the simulated "
+                                            "job's ranks)"]) + (
+            ["launch.links.emulate=true needs launch.simulate_world (the links of a loopback simulation's job)"]
+            if launch.links.emulate else [])
     if not 0 <= r < n:
         errors.append(f"launch.simulate_world={n}, launch.simulate_rank={r}: need 0 <= simulate_rank < simulate_world")
     if launch.nproc_per_node > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
