@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -25,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 import parallelisms
 from core import device
 from kernels.registry import apply_kernels, select_kernels
-from models.hf_io import check_hf_into_model, export_hf, load_hf_into_model
+from models.hf_io import check_hf_into_model, export_hf, load_hf_into_model, record_source
 from parallelisms.float8 import apply_float8
 from training.batch import Batch, prepare_batches, validation_shard
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_model_weights
@@ -41,9 +42,9 @@ from training.profiling import StepProfiler
 from training.router_balance import update_expert_biases
 from training.run_dir import RunDir
 from training.loop_controls import ManualGC, StopSignal
-from training.startup import (RunPlan, World, begin_run, hydra_run_dir_of, job_config, plan_run, primary_config,
-                              startup_lines, startup_warnings)
-from training.train_state import Progress, run_state, upgrade_state
+from training.startup import (RunPlan, World, begin_run, check_primary_yaml, hydra_run_dir_of, job_config, plan_run,
+                              primary_config, startup_lines, startup_warnings)
+from training.train_state import InitFrom, Progress, run_state, upgrade_state
 
 logger = logging.getLogger("train")
 
@@ -69,8 +70,11 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     if start.checkpoint is not None:  # a resume: the model and optimizer first, then what the train state holds
         load_checkpoint(start.checkpoint, model, optimizer, start.state.get("files"))
     schedule, progress = Schedule(optimizer, cfg.optim, max(cfg.train.steps, 1)), Progress()
+    # What the export will carry from model.init_from, as loaded (a resume takes its checkpoint's record).
+    init_from = InitFrom(record_source(cfg.model.init_from, plan.spec.model_type, plan.model_args)
+                         if dims.writer and cfg.model.init_from and start.checkpoint is None else None)
     train_state = run_state(schedule, loader, progress, plan.dev_type, cfg.train.allow_changes,
-                            f"checkpoint {start.checkpoint}", plan.run_config, plan.global_batch)
+                            f"checkpoint {start.checkpoint}", plan.run_config, plan.global_batch, init_from)
     if start.checkpoint is not None:
         train_state.load_state_dict(upgrade_state(start.state, plan.tokens_per_step))
         if dims.writer:
@@ -153,7 +157,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
             clock = time.perf_counter()
     else:
         last_step = steps[-1] if steps else plan.first_step - 1  # none left: a resume of the last step's checkpoint
-        finish(plan, run_dir, model, dims, checkpoint, saved_at, last_step)
+        finish(plan, run_dir, model, dims, checkpoint, saved_at, last_step, init_from.loaded)
     profiler.close()  # a run that stopped inside the window still gets its trace and summary
     stop.restore()
     gc_off.restore()
@@ -173,7 +177,7 @@ def start_processes(cfg: TrainConfig, dev_type: str) -> tuple[parallelisms.Paral
     this rank's device."""
     world = World.of(cfg.launch)
     if cfg.launch.simulate_world:
-        parallelisms.init_loopback_world(world.size, world.rank, dev_type)
+        parallelisms.init_loopback_world(world.size, world.rank, dev_type, cfg.launch.links)
     parallelisms.init_distributed(dev_type, cfg.parallel)
     dims = parallelisms.build_parallel_dims(cfg.parallel, world.size, world.rank, dev_type,
                                             simulated=cfg.launch.simulate_world > 0)
@@ -199,9 +203,9 @@ def build_model(plan: RunPlan, dims: parallelisms.ParallelDims, dev: torch.devic
     if cfg.train.float8 != "none":  # on meta, before parallelize: AC, EP and FSDP wrap the FP8 modules as any others
         apply_float8(model, spec, cfg.train.float8, dev_type, ep=dims.ep, compiled=cfg.train.compile,
                      tokens=cfg.train.local_batch_size * cfg.data.seq_len // dims.cp)  # per rank, micro-batch
-    model = parallelisms.parallelize_model(model, spec, dims, cfg.parallel,
-                                           torch.bfloat16 if mixed_bf16(cfg, dev_type) else torch.float32,
-                                           torch.float32, cfg.dispatcher, compile_blocks=cfg.train.compile)
+    model = parallelisms.parallelize_qwen3_moe(model, spec, dims, cfg.parallel,
+                                               torch.bfloat16 if mixed_bf16(cfg, dev_type) else torch.float32,
+                                               torch.float32, cfg.dispatcher, compile_blocks=cfg.train.compile)
     if init_from is not None:
         check_hf_into_model(model, init_from)  # on meta: weights that do not fit allocate nothing
     model.to_empty(device=dev)
@@ -403,23 +407,26 @@ def log_step(metrics: dict[str, Any], result: StepResult, logs: StepLogs, loader
 
 
 def finish(plan: RunPlan, run_dir: RunDir, model: torch.nn.Module, dims: parallelisms.ParallelDims,
-           checkpoint: Callable[[int], Path], saved_at: int | None, last_step: int) -> None:
+           checkpoint: Callable[[int], Path], saved_at: int | None, last_step: int,
+           loaded: dict[str, Any] | None = None) -> None:
     """Every step trained: a checkpoint at the last step (checkpoint.at_end, unless one was just saved) before the
-    final weights, so that weights which cannot be written lose nothing; then the weights and the HF export."""
+    final weights, so that weights which cannot be written lose nothing; then the weights and the HF export.
+    ``loaded``: what the run loaded from model.init_from (recorded with the weights; the export checks its source)."""
     cfg = plan.cfg
     if cfg.train.save_final:
         kept = Path(run_dir.record.checkpoint) if saved_at == last_step else None
         if saved_at != last_step and cfg.checkpoint.at_end and last_step > 0:
             kept = checkpoint(last_step)
         try:
-            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.writer, step=last_step)
+            save_model_weights(model, run_dir.path / "model.safetensors", is_writer=dims.writer, step=last_step,
+                               init_from=loaded)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; " + (f"the trained state is in checkpoint {kept}: make room and run again "
                                               "with train.resume=auto to write the weights" if kept else
                                               "no checkpoint holds the last step (checkpoint.at_end=false)")) from e
     if cfg.checkpoint.export_hf_at_end:
         export_hf(model, plan.spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(plan.tokenizer),
-                  source=cfg.model.init_from)
+                  source=cfg.model.init_from, loaded=loaded)
     run_dir.finished(last_step, dims.writer)
 
 
@@ -463,4 +470,6 @@ OmegaConf.register_new_resolver("run_dir", hydra_run_dir_of, replace=True)
 OmegaConf.register_new_resolver("if_none", lambda value, default: default if value is None else value, replace=True)
 
 if __name__ == "__main__":
+    with one_line_errors():  # a run's config.yaml that YAML cannot read: one line, before Hydra's traceback
+        check_primary_yaml(sys.argv[1:])
     main()

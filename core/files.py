@@ -4,9 +4,11 @@ No torch here: the tokenizer's worker processes import this."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import stat
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,3 +118,56 @@ def record_problems(name: str, expected: dict[str, Any], got: dict[str, Any] | N
     size = got["bytes"]
     return [f"{name} bytes [{b * CRC_BLOCK_BYTES}, {min((b + 1) * CRC_BLOCK_BYTES, size)}) differ from what was "
             "written" for b, (g, e) in enumerate(zip(got["crc32"], expected["crc32"])) if g != e]
+
+
+def file_kind(path: Path) -> str:
+    """What ``path`` is, from its status alone (a FIFO is never opened: that would wait for a writer): 'file',
+    'directory', 'missing' (a link to a missing target too), or what else it is: 'a FIFO', 'a socket', 'a character
+    device', 'a block device'."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    for test, kind in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+# ------------------------------------------------------------------------------------------ failed writes
+_WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (a file-size limit: "
+                 "ulimit -f)", errno.EDQUOT: "disk quota exceeded"}
+# A folder made read-only under a running job (its permissions, or the file system remounted read-only).
+_DENIED_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                  errno.EROFS: "read-only file system"}
+
+
+def write_failure(e: BaseException, what: str, path: Path) -> str | None:
+    """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what
+    it wraps: DCP gathers every rank's exception) is a failed write, or ``could not write <what>: permission denied
+    on <file> ...`` for a folder made read-only under the run, else None. torch's zip writer reports a full
+    disk or a file-size limit as ``RuntimeError ... unexpected pos``, without an errno: then the free space says
+    which."""
+    pending, seen = [e], []
+    while pending:
+        cause = pending.pop()
+        if cause is None or any(cause is s for s in seen):
+            continue
+        seen.append(cause)
+        pending += [cause.__cause__, cause.__context__]
+        pending += [failure[0] for failure in getattr(cause, "failures", {}).values()]
+        code = cause.errno if isinstance(cause, OSError) else None
+        if code in _DENIED_ERRNOS:
+            return (f"could not write {what}: {_DENIED_ERRNOS[code]} on {cause.filename or path} (its folder made "
+                    "read-only under the run?): make it writable again")
+        if code not in _WRITE_ERRNOS and not (isinstance(cause, RuntimeError) and (
+                "unexpected pos" in str(cause) or "failed writing" in str(cause))):
+            continue
+        where = nearest_existing(path)
+        free = shutil.disk_usage(where).free
+        why = _WRITE_ERRNOS.get(code) or ("no space left on the device" if free < 64 << 20 else
+                                          "file too large (a file-size limit: ulimit -f) or a quota")
+        return f"no space or file too large while writing {what}: {why} ({free / 2**30:.2f} GiB free on {where})"
+    return None

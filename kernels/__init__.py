@@ -9,6 +9,7 @@
   and the measured table that decides what runs in FP8
 - ``loss``: the chunked LM head with its cross-entropy step; ``triton_cross_entropy``
 - ``optim``: the gradient hand-off's cast and the AdamW update; ``triton_cast``, ``triton_adamw``
+- ``comm``: a collective's link time in the loopback world (the clock it starts at, the hold of its stream); ``triton_link``
 
 At this level only what every group shares: ``registry`` chooses one implementation of every op per device type
 from ``kernel_config`` (``config``); ``installed`` holds the dispatch path's choices. Imports only ``core``; kept

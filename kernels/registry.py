@@ -6,8 +6,8 @@ op's own key (``kernel_config.attention``), must run, or selection fails.
 Two kinds of op, chosen alike: those the models call through a kernel slot (see ``models/layers.py``: norms,
 activations, rotary, the cross-entropy step, the delta rule, packed-document attention), and those the dispatch
 path's kernel functions call (``kernels.moe.permute``'s K-to-one steps and token permutes, ``kernels.moe.grouped_mm``,
-``kernels.optim.adamw``, ``kernels.optim.cast``), which EP dispatchers, the experts, the gradient hand-off and the
-optimizer use without ever checking the device.
+``kernels.optim.adamw``, ``kernels.optim.cast``, ``kernels.comm.link``'s timer), which EP dispatchers, the experts, the
+gradient hand-off, the optimizer and the loopback world's link emulation use without ever checking the device.
 
 ``select_kernels(cfg, device_type)`` chooses one implementation per op and records why (``Kernels.log``: one line
 per op at start-up); ``apply_kernels(model, kernels)`` installs the choices: into every module's kernel slots, and
@@ -31,6 +31,7 @@ import torch.nn as nn
 from core import device
 from kernels import installed
 from kernels.attention.attention import DenseMaskAttention, FlexAttention, VarlenAttention, varlen_signature_problem
+from kernels.comm.link import TORCH_LINK_TIMER
 from kernels.config import AUTO, CUDNN_ATTENTION, FLA, FLEX_ATTENTION, VARLEN_ATTN, KernelConfig, plugin_names
 from kernels.float8.permute import gather_quantize_rows_torch
 from kernels.linear_attention import fla
@@ -299,6 +300,11 @@ OPS: dict[str, OpSpec] = {
     # The optimizer's update (training.optim.AdamW, the CUDA default), one pass per parameter.
     "adamw_step": _dispatch(adamw_step_torch, Impl("triton", ("cuda",), _lazy("kernels.optim.triton_adamw",
                                                                                "adamw_step"), _needs_triton)),
+    # The loopback world's link time (launch.links.emulate, parallelisms/loopback.py): the clock a collective starts
+    # at, and the hold of its stream until its link time has passed (the reference: the host's clock and a sleep).
+    "link_timer": _dispatch(TORCH_LINK_TIMER, Impl("triton", ("cuda",), _lazy_instance("kernels.comm.triton_link",
+                                                                                        "LinkTimer"), _needs_triton,
+                                                   "%globaltimer spin on launch.links.comm_sms programs")),
 }
 SLOT_OPS = tuple(op for op, spec in OPS.items() if spec.slot)  # what models call through their kernel slots
 INSTALLED_OPS = tuple(op for op, spec in OPS.items() if not spec.slot)  # what kernel functions call

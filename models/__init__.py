@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from models.args import training_knobs
 from models.qwen3_5_moe import Qwen3_5MoeArgs, Qwen3_5MoeForCausalLM
 from models.qwen3_moe import Qwen3MoeArgs, Qwen3MoeForCausalLM
 
@@ -129,6 +130,18 @@ def build_args(model_type: str, arch: dict[str, Any], vision: bool = False):
     args = args_cls(**arch)
     args.validate()
     return with_vision(args, vision)
+
+
+def all_training_knobs() -> set[str]:
+    """Every registered family's training knobs (``models.args.knob``): the keys conf/model/hf.yaml lists."""
+    return {name for spec in _REGISTRY.values() for name in training_knobs(spec.args_cls)}
+
+
+def arch_given(arch: dict[str, Any]) -> dict[str, Any]:
+    """The ``model.arch`` keys a ``model=hf`` config sets over config.json's architecture (or, on a resume, the
+    checkpoint's): every key but the training knobs that conf/model/hf.yaml leaves null (no knob takes null)."""
+    knobs = all_training_knobs()
+    return {key: value for key, value in arch.items() if not (value is None and key in knobs)}
 
 
 register(ModelSpec("qwen3_moe", Qwen3MoeArgs, Qwen3MoeForCausalLM, "Qwen3MoeForCausalLM"))

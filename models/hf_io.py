@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import fcntl
+import hashlib
 import importlib
 import json
 import logging
 import os
 import re
 import shutil
+import signal
+import socket
+import stat
+import struct
 import tempfile
+import threading
 from collections import defaultdict
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +41,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from core.files import remove, stale_temporaries
+from core.files import remove, stale_temporaries, write_failure
 from core.safetensors_stream import TensorLayout, stream_gathered, torch_dtype, write_safetensors
 from models import ModelSpec, build_args, get_spec
 from models.init import local_box
@@ -150,16 +158,82 @@ def _open_safetensors(path: Path) -> Any:
         raise ValueError(f"{path} is not a readable safetensors file ({e}); is it truncated?") from None
 
 
-def _checkpoint_files(hf_dir: Path) -> list[Path]:
-    if (hf_dir / INDEX).is_file():
-        try:
-            weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{hf_dir / INDEX} is not a safetensors index with a weight_map ({e!r})") from None
-        return [hf_dir / name for name in sorted(set(weight_map.values()))]
+def source_roots(hf_dir: str | os.PathLike) -> list[Path]:
+    """Where the files of a Hugging Face directory may lie: in it (symbolic links resolved), and for a snapshot of
+    the hub's cache (``models--org--name/snapshots/<revision>``, whose files are links into the repository's
+    ``blobs/``), in that ``blobs/`` too. Nothing a checkpoint names is read from anywhere else."""
+    root = Path(hf_dir).resolve()
+    blobs = root.parent.parent / "blobs"
+    return [root, blobs] if root.parent.name == "snapshots" and blobs.is_dir() else [root]
+
+
+def _within(path: Path, roots: Sequence[Path]) -> bool:
+    resolved = path.resolve()
+    return any(resolved == root or root in resolved.parents for root in roots)
+
+
+def check_inside_source(hf_dir: str | os.PathLike, path: Path, named_by: str) -> Path:
+    """``path`` (named by ``named_by``), refused unless it lies inside ``hf_dir`` (``source_roots``): an index entry
+    ``../x.safetensors``, an absolute path, a symbolic link out of it."""
+    if not _within(path, source_roots(hf_dir)):
+        raise ValueError(f"{named_by} names {path}, which resolves to {path.resolve()}, outside {hf_dir}: a checkpoint "
+                         "is read only from its own directory; put the file in it (not a link out of it)")
+    return path
+
+
+def _weight_map(hf_dir: Path) -> dict[str, Path] | None:
+    """The index's tensor name -> its shard (each checked to lie in ``hf_dir``), or None without an index."""
+    if not (hf_dir / INDEX).is_file():
+        return None
+    try:
+        weight_map = json.loads((hf_dir / INDEX).read_text())["weight_map"]
+        files = {file: None for file in weight_map.values()}  # a TypeError where it is not a mapping of strings
+        if not all(isinstance(name, str) and isinstance(file, str) for name, file in weight_map.items()):
+            raise TypeError("its entries are not strings")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{hf_dir / INDEX} is not a safetensors index with a weight_map ({e!r})") from None
+    for file in files:
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise ValueError(f"{hf_dir / INDEX} names the shard {file!r}, outside {hf_dir}: a checkpoint is read "
+                             "only from its own directory; name its shards by their file names")
+        check_inside_source(hf_dir, hf_dir / file, str(hf_dir / INDEX))
+    return {name: hf_dir / file for name, file in weight_map.items()}
+
+
+def _checkpoint_files(hf_dir: Path, weight_map: dict[str, Path] | None = None) -> list[Path]:
+    weight_map = weight_map or _weight_map(hf_dir)
+    if weight_map is not None:
+        return sorted(set(weight_map.values()))
     if (hf_dir / SAFETENSORS).is_file():
-        return [hf_dir / SAFETENSORS]
+        return [check_inside_source(hf_dir, hf_dir / SAFETENSORS, f"{hf_dir} (its {SAFETENSORS})")]
     raise FileNotFoundError(f"neither {INDEX} nor {SAFETENSORS} in {hf_dir}")
+
+
+def _shard_tensors(hf_dir: Path, stack: contextlib.ExitStack) -> Iterator[tuple[Path, Any, list[str]]]:
+    """(shard, its open safetensors, the names to read from it) for every shard of ``hf_dir``. With an index, its
+    mapping is the truth: a tensor in two shards, one the index names but its shard lacks, or one it does not list
+    is refused by name (before: the copy of the other file won, or the tensor was dropped)."""
+    weight_map = _weight_map(hf_dir)
+    opened = {path: stack.enter_context(_open_safetensors(path)) for path in _checkpoint_files(hf_dir, weight_map)}
+    keys = {path: list(f.keys()) for path, f in opened.items()}
+    if weight_map is not None:
+        problems = []
+        for path, names in keys.items():
+            for name in names:
+                if name not in weight_map:
+                    problems.append(f"{path.name} holds {name}, which the index does not list")
+                elif weight_map[name] != path:
+                    problems.append(f"{name} is in {path.name} and in {weight_map[name].name}, which the index names "
+                                    "(a tensor is stored once)")
+        held = {path: set(names) for path, names in keys.items()}
+        problems += [f"{name} is not in {path.name}, where the index puts it" for name, path in weight_map.items()
+                     if name not in held[path]]
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise ValueError(f"{hf_dir / INDEX} does not match its shards: {shown}. Its weight_map must name each "
+                             "tensor once, in the shard that holds it: repair the checkpoint (or download it again)")
+    for path, f in opened.items():
+        yield path, f, keys[path]
 
 
 @dataclass(frozen=True)
@@ -227,9 +301,8 @@ def _disk_sources(hf_dir: str | os.PathLike, mtp: bool = False, vision: bool = F
     per_expert: dict[str, dict[tuple[int, int], Any]] = defaultdict(dict)  # fused name -> {(part, expert): slice}
     skipped: list[str] = []
     with contextlib.ExitStack() as stack:
-        for path in _checkpoint_files(hf_dir):
-            f = stack.enter_context(_open_safetensors(path))
-            for disk_name in f.keys():
+        for _, f, disk_names in _shard_tensors(hf_dir, stack):
+            for disk_name in disk_names:
                 name = _to_ours(spec, disk_name, mtp, vision)
                 if name is None:
                     skipped.append(disk_name)
@@ -307,9 +380,11 @@ def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def _copy_into(model: nn.Module, sources: Mapping[str, Any], read: Callable[[Any, tuple[slice, ...]], torch.Tensor]
                ) -> None:
     check_state_dict(model, sources)  # everything first: a mismatch raises before any parameter changes
+    filled: set[int] = set()
     for name, param in model.named_parameters(remove_duplicate=False):
-        if name not in sources:
-            continue  # a tied alias, filled under its other name
+        if name not in sources or id(param) in filled:
+            continue  # a tied alias, filled under its first name (the embedding's: a stale lm_head.weight is not read)
+        filled.add(id(param))
         local = param.to_local() if isinstance(param, DTensor) else param
         src = read(sources[name], local_box(param))
         if local.shape != src.shape:  # copy_ would broadcast instead of failing
@@ -418,8 +493,24 @@ def _disk_views(tensors: list[_DiskTensor], sources: Iterator[torch.Tensor]) -> 
         yield full[t.index]
 
 
+class ExportError(OSError):
+    """A write of an export that failed (a full disk, a file-size limit), named in one line."""
+
+
+@contextlib.contextmanager
+def _named_failure(final: Path) -> Iterator[None]:
+    """A failed write of the export's file ``final`` (written under its temporary name) as one ExportError naming it."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        message = write_failure(e, str(final), final.parent)
+        if message is None or isinstance(e, ExportError):
+            raise
+        raise ExportError(f"{message}; nothing of the export was kept ({final.parent} is as it was)") from e
+
+
 def _write_checkpoint(out_dir: Path, groups: list[tuple[list[_DiskTensor], Iterator[torch.Tensor]]],
-                      max_shard_bytes: int) -> None:
+                      max_shard_bytes: int, final: Path | None = None) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors + index when over max_shard_bytes, streamed: each
     group's (tensors, values) goes into shards of its own, ``values`` yielding the on-disk tensors in order, each
     written out before the next is taken. Within a group the tensors are in descending item size (one dtype: ours;
@@ -427,12 +518,15 @@ def _write_checkpoint(out_dir: Path, groups: list[tuple[list[_DiskTensor], Itera
     planned = [(shard, values) for tensors, values in groups for shard in _plan_shards(tensors, max_shard_bytes)]
     files = ([SAFETENSORS] if len(planned) == 1 else
              [f"model-{i + 1:05d}-of-{len(planned):05d}.safetensors" for i in range(len(planned))])
+    final = final or out_dir  # where the files will be: what a failure names
     for file, (shard, values) in zip(files, planned):
-        write_safetensors(out_dir / file, {t.name: t.layout for t in shard}, values, metadata={"format": "pt"})
+        with _named_failure(final / file):
+            write_safetensors(out_dir / file, {t.name: t.layout for t in shard}, values, metadata={"format": "pt"})
     if len(planned) > 1:
         index = {"metadata": {"total_size": sum(t.layout.nbytes for shard, _ in planned for t in shard)},
                  "weight_map": {t.name: file for file, (shard, _) in zip(files, planned) for t in shard}}
-        (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        with _named_failure(final / INDEX):
+            (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 # Files of the run's source directory an export copies as they are, beside its weights: the configs, the tokenizer's
@@ -455,7 +549,14 @@ class ExportSource:
     untrained: dict[str, tuple[Path, tuple[int, ...], torch.dtype]]
 
     def files(self) -> list[Path]:
-        return sorted(p for p in self.path.iterdir() if p.is_file() and p.name in SOURCE_FILES)
+        """The source's files an export copies; a symbolic link out of the source (``-> /etc/shadow``) is refused."""
+        found = sorted(p for p in self.path.iterdir() if p.name in SOURCE_FILES and (p.is_file() or p.is_symlink()))
+        for path in found:
+            if not _within(path, source_roots(self.path)):
+                raise ValueError(f"{path} is a symbolic link to {path.resolve()}, outside the source directory "
+                                 f"{self.path}: an export copies no file from outside its source; replace the link "
+                                 "with the file it stands for, or remove it")
+        return [p for p in found if p.is_file()]
 
     def has_tokenizer(self) -> bool:
         return any((self.path / name).is_file() for name in _TOKENIZER_FILES)
@@ -492,9 +593,9 @@ def export_source(hf_dir: str | os.PathLike, model_type: str, args: Any, trained
     trained = set(trained)
     per_expert_re = re.compile(rf"^({_experts_module_re(spec)})\.\d+\.(.+)$")
     untrained = {}
-    for path in _checkpoint_files(hf_dir):
-        with _open_safetensors(path) as f:
-            for disk_name in f.keys():
+    with contextlib.ExitStack() as stack:
+        for path, f, disk_names in _shard_tensors(hf_dir, stack):
+            for disk_name in disk_names:
                 ours = _to_ours(spec, disk_name)
                 match = per_expert_re.match(ours or "")
                 if match and match[2] in _PART_OF:
@@ -503,6 +604,152 @@ def export_source(hf_dir: str | os.PathLike, model_type: str, args: Any, trained
                     handle = f.get_slice(disk_name)
                     untrained[disk_name] = (path, tuple(handle.get_shape()), torch_dtype(handle.get_dtype()))
     return ExportSource(hf_dir, spec, untrained)
+
+
+def _trained_names(model_type: str, args: Any) -> list[str]:
+    """Every name of the model's parameters, a tied alias too: what an export of a run writes from the run (the rest
+    of its source is copied)."""
+    with torch.device("meta"):
+        return [n for n, _ in get_spec(model_type).model_cls(args).named_parameters(remove_duplicate=False)]
+
+
+def _byte_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's [start, end) in the safetensors file (its header's data_offsets, after the header)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {name: (8 + size + entry["data_offsets"][0], 8 + size + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _digest(carried: ExportSource) -> dict[str, Any]:
+    """What an export carries from its source: a sha256 of each file it copies, and one over the untrained tensors
+    (name, dtype, shape and raw bytes, in name order, wherever their shards put them); the trained tensors are not
+    read. Its cost is that of reading the untrained tensors once (a vision tower, an untrained MTP head)."""
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in carried.files()}
+    digest, total = hashlib.sha256(), 0
+    ranges = {path: _byte_ranges(path) for path in {path for path, _, _ in carried.untrained.values()}}
+    with contextlib.ExitStack() as stack:
+        opened = {path: stack.enter_context(open(path, "rb")) for path in ranges}
+        for name in sorted(carried.untrained):
+            path, shape, dtype = carried.untrained[name]
+            start, end = ranges[path][name]
+            digest.update(f"{name} {str(dtype).removeprefix('torch.')} {list(shape)} {end - start}\n".encode())
+            f = opened[path]
+            f.seek(start)
+            for _ in range(start, end, 8 << 20):
+                digest.update(f.read(min(8 << 20, end - f.tell())))
+            total += end - start
+    return {"path": str(carried.path.resolve()), "files": files, "tensors": len(carried.untrained), "bytes": total,
+            "sha256": digest.hexdigest()}
+
+
+def record_source(hf_dir: str | os.PathLike, model_type: str, args: Any) -> dict[str, Any] | None:
+    """What a run starting from ``hf_dir`` (model.init_from) would have its export carry, as a digest (``_digest``)
+    the run records, so that an export refuses a source changed since; None where no export could carry it (an
+    architecture other than its config.json's)."""
+    try:
+        return _digest(export_source(hf_dir, model_type, args, _trained_names(model_type, args)))
+    except ValueError:
+        return None
+
+
+def _check_loaded(carried: ExportSource, loaded: dict[str, Any] | None) -> None:
+    """Refuse a source whose carried files or untrained tensors differ from what the run loaded (``loaded``: its
+    ``record_source``); a run that recorded none (older) is warned about."""
+    if loaded is None:
+        logger.warning("the run recorded no digest of what it loaded from %s (written before runs recorded one): the "
+                       "export cannot check that the untrained tensors and files it copies from there are those the "
+                       "run started from", carried.path)
+        return
+    now = _digest(carried)
+    changed = [name for name in sorted(set(now["files"]) | set(loaded["files"]))
+               if now["files"].get(name) != loaded["files"].get(name)]
+    if [now[k] for k in ("tensors", "bytes", "sha256")] != [loaded.get(k) for k in ("tensors", "bytes", "sha256")]:
+        changed.append(f"the {loaded.get('tensors')} tensors the run does not train ({now['tensors']} now)")
+    if changed:
+        raise ValueError(f"the source {carried.path} is not what the run loaded from model.init_from={loaded['path']}: "
+                         f"{', '.join(changed)} changed since, and an export would put them beside a model trained "
+                         "from the old ones: restore the source the run loaded (or give --source a copy of it), or "
+                         "export the trained model alone (--source none)")
+
+
+def check_export_apart(out_dir: str | os.PathLike, inputs: Sequence[tuple[str, str | os.PathLike | None]]) -> None:
+    """Refuse an export directory that is, holds or lies inside one of ``inputs`` ((what, path)): the run's
+    model.init_from (an earlier export the run started from would be replaced without a word), the source."""
+    out = Path(out_dir).resolve()
+    for what, path in inputs:
+        if path is None or not Path(path).exists():
+            continue
+        path = Path(path).resolve()
+        if out == path or path in out.parents or out in path.parents:
+            where = "is" if out == path else "lies inside" if path in out.parents else "holds"
+            raise ValueError(f"export directory {out_dir} {where} {what} ({path}): the export would replace the "
+                             "model the run started from; choose another directory")
+
+
+@contextlib.contextmanager
+def _export_lock(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir`` for this export (``.<name>.export-lock`` beside it, removed at the end): a second export into
+    it at the same time is refused, naming the first."""
+    path = out_dir.parent / f".{out_dir.name}.export-lock"
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "a process that has not written its name yet"
+            handle.close()
+            raise ValueError(f"export directory {out_dir} is being written by another export ({holder}): wait for it "
+                             "to end, or export into another directory") from None
+        try:  # its holder may have removed it between our open and our lock: then take the new one
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
+    handle.flush()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while held: one who opened it before finds it gone and retries
+        handle.close()
+
+
+class ExportInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during an export (or Ctrl-C): what is left is said in its one line."""
+
+
+@contextlib.contextmanager
+def _signals_end_the_export(out_dir: Path, state: dict[str, bool]) -> Iterator[None]:
+    """SIGTERM and SIGHUP, where they would kill the process at once (their default; a handler of the process's own,
+    train.py's, is kept), raise ExportInterrupted instead, so that the temporary folder goes and a line says so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if state.get("swapped"):
+            raise ExportInterrupted(f"{name} after the export to {out_dir} was complete")
+        raise ExportInterrupted(f"{name}: the export to {out_dir} stopped; its temporary folder was removed and "
+                                f"{out_dir} is as it was")
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, handler in previous.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is signal.SIG_DFL:
+                signal.signal(sig, handler)
 
 
 def check_export_dir(out_dir: str | os.PathLike) -> None:
@@ -527,41 +774,73 @@ def check_export_dir(out_dir: str | os.PathLike) -> None:
                          f"{EXPORT_RECORD}, is replaced)")
 
 
-def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling, then rename it to out_dir: nobody sees a half-written directory."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in stale_temporaries(out_dir.parent, out_dir.name):  # an earlier export's, killed
-        logger.warning("removing %s, left by an export whose process is gone", stale)
-        remove(stale)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{os.getpid()}-"))
+@contextlib.contextmanager
+def _unstoppable() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back (then delivered): what runs here is never cut in half."""
+    blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
-        write(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-    except BaseException:
-        shutil.rmtree(tmp)
-        raise
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-{os.getpid()}-"))
-        os.rename(out_dir, old / out_dir.name)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out_dir)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
+def _replace_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """Write into a temporary sibling, then rename it to out_dir: nobody sees a half-written directory. Held for the
+    export (``_export_lock``) and checked under the lock (``check_export_dir``); a failure, Ctrl-C, SIGTERM or SIGHUP
+    removes the temporary folder and leaves out_dir as it was."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    state: dict[str, bool] = {}
+    with _signals_end_the_export(out_dir, state), _export_lock(out_dir):
+        check_export_dir(out_dir)
+        for stale in stale_temporaries(out_dir.parent, out_dir.name):  # an earlier export's, killed
+            logger.warning("removing %s, left by an export whose process is gone", stale)
+            remove(stale)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{os.getpid()}-"))
+        try:
+            write(tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private
+        except BaseException as e:
+            with _unstoppable():
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, ExportInterrupted):
+                raise ExportInterrupted(f"Ctrl-C: the export to {out_dir} stopped; its temporary folder was removed "
+                                        f"and {out_dir} is as it was") from None
+            raise
+        with _unstoppable():  # the swap is never cut in half
+            if out_dir.exists():
+                old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-{os.getpid()}-"))
+                os.rename(out_dir, old / out_dir.name)
+                os.rename(tmp, out_dir)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, out_dir)
+            state["swapped"] = True
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    """A source file's bytes, its permissions never widened (a private file stays private)."""
+    shutil.copyfile(source, target)
+    os.chmod(target, stat.S_IMODE(target.stat().st_mode) & stat.S_IMODE(source.stat().st_mode))
 
 
 def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_dir: str | os.PathLike,
             max_shard_bytes: int, dtype: torch.dtype, extra_files: Callable[[Path], None] | None,
-            values: Iterator[torch.Tensor], source: str | os.PathLike | None) -> None:
+            values: Iterator[torch.Tensor], source: str | os.PathLike | None,
+            loaded: dict[str, Any] | None = None) -> None:
     """The export of ``state`` (full tensors or DTensors: only its names and global shapes are read), whose
     values stream from ``values``: its full tensors in ``dtype``, one at a time, in sorted-name order. ``source``:
-    the run's model.init_from, exported in its layout with every tensor the run does not train (``export_source``)."""
+    the run's model.init_from, exported in its layout with every tensor the run does not train (``export_source``),
+    refused where it differs from what the run ``loaded`` (its ``record_source``)."""
     spec = get_spec(model_type)
     with torch.device("meta"):
         model = spec.model_cls(args)
     check_state_dict(model, state)
+    check_export_apart(out_dir, [("the run's source directory (model.init_from)", source)])
     if source is not None:
         # Every name of the model's parameters is trained (a tied alias too): the rest of the source is copied.
-        carried = export_source(source, model_type, args, [n for n, _ in model.named_parameters(remove_duplicate=False)])
+        carried = export_source(source, model_type, args, _trained_names(model_type, args))
+        _check_loaded(carried, loaded)
         spec = carried.spec
     else:
         carried = None
@@ -586,16 +865,19 @@ def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_d
             # The source's tensors are read one at a time, as each is written.
             from_source = (opened[carried.untrained[t.source][0]].get_tensor(t.source) for t in copied)
             _write_checkpoint(tmp, [(ours, _disk_views(ours, values))] + ([(copied, from_source)] if copied else []),
-                              max_shard_bytes)
-        if carried is None:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        else:  # the source's own files: its config describes this architecture (checked), its processors the rest
-            for path in carried.files():
-                shutil.copyfile(path, tmp / path.name)
+                              max_shard_bytes, final=Path(out_dir))
+        with _named_failure(Path(out_dir) / "config.json"):
+            if carried is None:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for path in carried.files() if carried is not None else ():  # its config describes this architecture
+            with _named_failure(Path(out_dir) / path.name):
+                _copy_file(path, tmp / path.name)
         if extra_files is not None and (carried is None or not carried.has_tokenizer()):
-            extra_files(tmp)
+            with _named_failure(Path(out_dir) / "tokenizer.json"):
+                extra_files(tmp)
         files = sorted(p.name for p in tmp.iterdir())
-        (tmp / EXPORT_RECORD).write_text(json.dumps({"written_by": "qwen-moe-train", "files": files}) + "\n")
+        with _named_failure(Path(out_dir) / EXPORT_RECORD):
+            (tmp / EXPORT_RECORD).write_text(json.dumps({"written_by": "qwen-moe-train", "files": files}) + "\n")
 
     _replace_dir(Path(out_dir), write)
 
@@ -603,7 +885,7 @@ def _export(state: Mapping[str, torch.Tensor], model_type: str, args: Any, out_d
 def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str, args: Any,
                          out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                          dtype: torch.dtype | None = None, extra_files: Callable[[Path], None] | None = None,
-                         source: str | os.PathLike | None = None) -> None:
+                         source: str | os.PathLike | None = None, loaded: dict[str, Any] | None = None) -> None:
     """Write full tensors in our names as a directory ``transformers.AutoModelForCausalLM.from_pretrained``
     loads: safetensors in on-disk names (sharded past max_shard_bytes) and config.json. ``dtype``: cast to
     it (default: keep the state dict's), one tensor at a time. ``extra_files(tmp)``, if given, is called with
@@ -616,18 +898,23 @@ def export_state_dict_hf(state_dict: Mapping[str, torch.Tensor], model_type: str
     (a multimodal checkpoint's names; the class that loaded it loads the export), its config.json, generation,
     tokenizer and processor files, and every tensor of it the model does not have (a vision tower; an MTP head not
     trained) byte for byte in its dtype, read from it one tensor at a time as it is written; ``extra_files`` runs
-    only where it has no tokenizer files."""
+    only where it has no tokenizer files. ``loaded``: what the run recorded of ``source`` when it loaded it
+    (``record_source``); a source that differs is refused.
+
+    The export is held (a second one into ``out_dir`` at the same time is refused), nothing is kept of one that
+    fails or is stopped (SIGTERM, SIGHUP, Ctrl-C: one line says so), and a failed write names its file."""
     with torch.device("meta"):
         buffers = {name for name, _ in get_spec(model_type).model_cls(args).named_buffers()}
     state_dict = {name: t for name, t in state_dict.items() if name not in buffers}
     dtype = dtype or next(iter(state_dict.values())).dtype
     _export(state_dict, model_type, args, out_dir, max_shard_bytes, dtype, extra_files,
-            (state_dict[name].to(dtype) for name in sorted(state_dict)), source)
+            (state_dict[name].to(dtype) for name in sorted(state_dict)), source, loaded)
 
 
 def export_hf(model: nn.Module, model_type: str, out_dir: str | os.PathLike, *,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
-              extra_files: Callable[[Path], None] | None = None, source: str | os.PathLike | None = None) -> None:
+              extra_files: Callable[[Path], None] | None = None, source: str | os.PathLike | None = None,
+              loaded: dict[str, Any] | None = None) -> None:
     """``export_state_dict_hf`` of a live model (default dtype: its first parameter's). Collective with a
     sharded model: every rank calls it; the parameters are gathered one at a time and global rank 0 streams
     each into the files (``stream_gathered``): its host memory holds one tensor, the other ranks' none.
@@ -637,6 +924,6 @@ def export_hf(model: nn.Module, model_type: str, out_dir: str | os.PathLike, *,
     dtype = dtype or next(iter(params.values())).dtype
 
     def write(values: Iterator[torch.Tensor]) -> None:
-        _export(params, model_type, model.args, out_dir, max_shard_bytes, dtype, extra_files, values, source)
+        _export(params, model_type, model.args, out_dir, max_shard_bytes, dtype, extra_files, values, source, loaded)
 
     stream_gathered(params, sorted(params), write if writer else None, dtype=dtype)

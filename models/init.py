@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from core.torch_compat import compute_local_shape_and_global_offset
 
 Fill = Callable[[torch.Tensor, torch.Generator], object]
 

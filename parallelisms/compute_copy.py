@@ -27,8 +27,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_map_only
 
+from core.torch_compat import foreach_copy_, own_parameters, tree_map_only, version_counter
 from kernels.optim.cast import cast_gradient
 
 # Optimizer steps taken in this process, by any optimizer (an unrelated one's step costs a re-cast, never a stale
@@ -50,13 +50,13 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def cast_copies_(copies: list[torch.Tensor], params: list[torch.Tensor]) -> None:
     """Cast ``params`` into their compute copies (one foreach launch; tests count its calls)."""
-    torch._foreach_copy_(copies, params)
+    foreach_copy_(copies, params)
 
 
 def _stamp(param: torch.Tensor, local: torch.Tensor, generation: int) -> tuple[int, ...]:
     # Host-side fields only, no device sync: a step, a version bump (of the DTensor or of its local tensor, which a
     # write through to_local() bumps alone), new storage (to_empty).
-    return generation, param._version, local._version, local.data_ptr()
+    return generation, version_counter(param), version_counter(local), local.data_ptr()
 
 
 _INSTANCES: weakref.WeakSet = weakref.WeakSet()  # every ComputeCopies, for the optimizers that write copies
@@ -136,7 +136,7 @@ def unit_slots(unit: nn.Module, other_units: set[nn.Module]) -> list[Slot]:
     modules = [unit]
     while modules:
         module = modules.pop(0)
-        slots += [(module, name) for name, param in module._parameters.items() if param is not None]
+        slots += [(module, name) for name, param in own_parameters(module).items() if param is not None]
         modules += [child for child in module.children() if child not in other_units]
     return slots
 
@@ -153,7 +153,7 @@ def install_compute_copies(unit: nn.Module, slots: list[Slot], copies: ComputeCo
     copy. ``copies.dtype`` must be the policy's param_dtype."""
 
     def unshard(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        params = [owner._parameters[name] for owner, name in slots]  # the parameters, never a forward's shadow
+        params = [own_parameters(owner)[name] for owner, name in slots]  # the parameters, never a forward's shadow
         for (owner, name), param, copy in zip(slots, params, copies.get(params)):
             w = _ComputeCopy.apply(_local(param), copy, mp_policy.reduce_dtype or copy.dtype, divide_factor)
             owner.__dict__[name] = as_read(w, param) if as_read else w

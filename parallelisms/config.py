@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BACKENDS = ("none", "ddp", "fsdp2")
-ACTIVATION_CHECKPOINT_MODES = ("none", "full", "selective")
+ACTIVATION_CHECKPOINT_MODES = ("none", "full", "selective", "full_keep_exchange")
 CP_MODES = ("ulysses",)
 
 
@@ -37,5 +37,7 @@ class ParallelConfig:
     mp_replicate_size: int = 1  # > 1: HSDP for the non-expert parameters, sharded over world // mp_replicate
     cp_mode: str = "ulysses"
     dist_timeout: int = 1800  # seconds, for every collective
-    activation_checkpoint: str = "none"  # none | full | selective
+    # none | full | selective | full_keep_exchange (full, but what the all-to-alls received is kept: no exchange is
+    # sent again in the recompute; parallelisms/activation_checkpoint.py)
+    activation_checkpoint: str = "none"
     backend: BackendConfig = field(default_factory=BackendConfig)

@@ -32,9 +32,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_gather_tensor, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from core.torch_compat import all_gather_tensor, all_to_all_single_autograd
 from models.sequence_ops import Heads, HeadWeights, SequenceOp, WholeSequence
 
 Tensor = torch.Tensor

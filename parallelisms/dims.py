@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.device import dist_backend, local_device
+from core.torch_compat import concatenate_meshes, flatten_mesh, unflatten_mesh
 from parallelisms.config import ParallelConfig
-from parallelisms.validate import validate_sizes
+from parallelisms.validate import ONE_PROCESS, validate_sizes
 
 
 @dataclass(frozen=True)
@@ -117,20 +118,18 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, rank: int, device_
     """Sizes from the config, and every mesh when there is more than one rank. ``simulated``: the ranks are the
     loopback world's. The sizes are checked first: a layout for more processes than were started (a multi-process
     preset without torchrun) is one line."""
-    validate_sizes(cfg, world_size, "; this is one process (WORLD_SIZE=1): start several with "
-                                    "launch.nproc_per_node=N, or torchrun --nproc-per-node N" if world_size == 1 else "")
+    validate_sizes(cfg, world_size, ONE_PROCESS if world_size == 1 else "")
     sizes = resolve_sizes(cfg, world_size)
     meshes = _build_meshes(sizes, device_type) if world_size > 1 else {}
     return ParallelDims(**vars(sizes), rank=rank, meshes=meshes, simulated=simulated)
 
 
 def _build_meshes(s: ParallelSizes, device_type: str) -> dict[str, DeviceMesh]:
-    # _unflatten / _flatten / _concatenate are DeviceMesh's private layout API (torch 2.11-2.13, as torchtitan
-    # uses it); the tests build every layout, so a change in a later torch shows up there first.
+    # DeviceMesh's private layout API (core.torch_compat); the tests build every layout.
     world = init_device_mesh(device_type, (s.world_size,), mesh_dim_names=("world",))
-    data = world._unflatten(0, (s.dp, s.cp), ("dp", "cp"))
-    model = world._unflatten(0, (s.mp_replicate, s.mp_shard), ("mp_replicate", "mp_shard"))
-    expert = world._unflatten(0, s.expert_mesh_shape, ("edp", "efsdp", "ep", "expert_cp"))
+    data = unflatten_mesh(world, 0, (s.dp, s.cp), ("dp", "cp"))
+    model = unflatten_mesh(world, 0, (s.mp_replicate, s.mp_shard), ("mp_replicate", "mp_shard"))
+    expert = unflatten_mesh(world, 0, s.expert_mesh_shape, ("edp", "efsdp", "ep", "expert_cp"))
     meshes = {"world": world, "data": data, "model": model, "expert": expert}
     for layout in (data, model, expert):
         meshes.update({name: layout[name] for name in layout.mesh_dim_names})
@@ -140,8 +139,8 @@ def _build_meshes(s: ParallelSizes, device_type: str) -> dict[str, DeviceMesh]:
     if s.edp * s.cp > 1:
         # Experts are replicated over edp and expert_cp: one replicate dim made of both. They are not
         # adjacent in the expert mesh, so the HSDP mesh is a concatenation rather than a slice.
-        meshes["edp_cp"] = expert["edp", "expert_cp"]._flatten("edp_cp")
-        meshes["expert_fsdp"] = DeviceMesh._concatenate([meshes["edp_cp"], meshes["efsdp"]])
+        meshes["edp_cp"] = flatten_mesh(expert["edp", "expert_cp"], "edp_cp")
+        meshes["expert_fsdp"] = concatenate_meshes([meshes["edp_cp"], meshes["efsdp"]])
     else:
         meshes["expert_fsdp"] = meshes["efsdp"]
     return meshes

@@ -9,8 +9,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from core.torch_compat import StridedShard, concatenate_meshes
 from models.moe import GroupedExperts
 from parallelisms.compute_copy import ComputeCopies, install_compute_copies, unit_slots
 from parallelisms.dispatchers import DispatcherConfig, dispatcher_class
@@ -55,7 +55,7 @@ def replace_single_rank_fsdp(experts: GroupedExperts, expert_fsdp_mesh: DeviceMe
     per-step all-gather and reduce-scatter buffers and copies.
 
     - The parameters become the DTensors FSDP would make: global shape, on the (expert_fsdp, ep) mesh,
-      placements (_StridedShard(0, ep), Shard(0)); so state dicts, DCP checkpoints, the optimizer and
+      placements (StridedShard(0, ep), Shard(0)); so state dicts, DCP checkpoints, the optimizer and
       ``clip_grad_norm_`` see exactly what they see under FSDP, and checkpoints load across both paths.
     - In forward the module reads what FSDP would unshard: each weight in ``mp_policy.param_dtype`` as a
       Shard(0) DTensor on the ep mesh, from ``copies``, which casts it once per optimizer step
@@ -64,8 +64,8 @@ def replace_single_rank_fsdp(experts: GroupedExperts, expert_fsdp_mesh: DeviceMe
       backward (so accumulation over micro-batches adds the same terms as FSDP's sharded gradient does).
     """
     ep_mesh = next(experts.parameters()).device_mesh
-    mesh = DeviceMesh._concatenate([expert_fsdp_mesh, ep_mesh])  # what FSDP builds for an EP DTensor
-    placements = (_StridedShard(0, split_factor=ep_mesh.size()), Shard(0))
+    mesh = concatenate_meshes([expert_fsdp_mesh, ep_mesh])  # what FSDP builds for an EP DTensor
+    placements = (StridedShard(0, split_factor=ep_mesh.size()), Shard(0))
     for name, param in list(experts.named_parameters(recurse=False)):
         spmd = DTensor.from_local(param.to_local().detach(), mesh, placements, run_check=False, shape=param.shape,
                                   stride=param.stride())

@@ -14,12 +14,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from core.torch_compat import foreach_mul_, foreach_norm
 from parallelisms.dims import ParallelDims
 
 
 def _sharded_over(param: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
     """Process groups over which ``param``'s shards differ: its mesh dims that are not Replicate
-    (Shard, or the _StridedShard that FSDP puts on top of EP's Shard(0))."""
+    (Shard, or the StridedShard that FSDP puts on top of EP's Shard(0))."""
     if not isinstance(param, DTensor):
         return ()
     mesh = param.device_mesh
@@ -57,7 +58,7 @@ def grad_norm(model: nn.Module, dims: ParallelDims) -> torch.Tensor:
     grads_by_groups, device = _grads_by_groups(model)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, grads in grads_by_groups.items():
-        sq = (torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum() if grads
+        sq = (torch.stack(foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum() if grads
               else torch.zeros_like(total))
         for group in groups:
             dist.all_reduce(sq, group=group)
@@ -76,7 +77,7 @@ def scale_grads_(model: nn.Module, coef: torch.Tensor | float) -> None:
     """Every local gradient times ``coef``, in one ``_foreach_mul_`` (no collective: the coefficient is global)."""
     grads = [g for gs in _grads_by_groups(model)[0].values() for g in gs]
     if grads:
-        torch._foreach_mul_(grads, coef)
+        foreach_mul_(grads, coef)
 
 
 @torch.no_grad()

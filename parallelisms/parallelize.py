@@ -13,12 +13,11 @@ import fnmatch
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable.replicate import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-import models
 from core.device import local_device
+from core.torch_compat import replicate
 from models import ModelSpec
 from models.moe import GroupedExperts
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
@@ -32,12 +31,14 @@ from parallelisms.expert_parallel import apply_expert_parallel, replace_single_r
 from parallelisms.loopback import BACKEND as LOOPBACK
 
 
-def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelConfig,
-                      param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                      dispatcher: DispatcherConfig | None = None, compile_blocks: bool = False) -> nn.Module:
-    """Shard or replicate ``model`` (usually still on the meta device) in place and return it. ``dispatcher``:
-    the ``dispatcher`` group, which EP (parallel.ep_size > 1) installs on every experts module; None: eager.
-    ``compile_blocks``: train.compile."""
+def parallelize_qwen3_moe(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg: ParallelConfig,
+                          param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                          dispatcher: DispatcherConfig | None = None, compile_blocks: bool = False) -> nn.Module:
+    """Shard or replicate ``model`` (usually still on the meta device) in place and return it: the one plan for
+    both Qwen MoE families, Qwen3-MoE and Qwen3.5-MoE, read from ``spec`` (the family's ``ModelSpec``: its blocks,
+    experts, embeddings, final modules, MTP head), so nothing here names a family's modules. ``dispatcher``:
+    the ``dispatcher`` group, which EP (parallel.ep_size > 1) installs on every experts module; None: the group's
+    default. ``compile_blocks``: train.compile."""
     apply_activation_checkpointing([block for _, block in spec.named_blocks(model) + spec.named_vision_blocks(model)],
                                    cfg.activation_checkpoint)
     if dims.cp > 1:
@@ -55,13 +56,6 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, dims: ParallelDims, cfg
         # stay in their dtype: bf16 compute under DDP is the caller's autocast.
         return replicate(model, device_id=local_device(dims.mesh("world").device_type))
     return _apply_fsdp2_plan(model, spec, dims, cfg.backend, dispatcher or DispatcherConfig(), mp_policy)
-
-
-def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig,
-                          param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                          dispatcher: DispatcherConfig | None = None, compile_blocks: bool = False) -> nn.Module:
-    return parallelize_model(model, models.get_spec("qwen3_moe"), dims, cfg, param_dtype, reduce_dtype, dispatcher,
-                             compile_blocks)
 
 
 def expert_shard_dim(efsdp: int, ep: int, num_experts: int) -> int:
@@ -161,7 +155,7 @@ def _apply_fsdp2_plan(model: nn.Module, spec: ModelSpec, dims: ParallelDims, bac
 
 def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: BackendConfig,
                   mp_policy: MixedPrecisionPolicy, dispatcher: DispatcherConfig | None = None) -> None:
-    """Steps 1 and 2 of the plan for the experts of every block: EP (``dispatcher``, None: eager), then
+    """Steps 1 and 2 of the plan for the experts of every block: EP (``dispatcher``, None: the group's default), then
     expert FSDP (or, over a one-rank expert mesh, ``replace_single_rank_fsdp``: the experts are no FSDP unit,
     and an outer fully_shard must ignore their parameters)."""
     num_experts = experts[0].num_experts
@@ -189,8 +183,9 @@ def shard_experts(experts: list[GroupedExperts], dims: ParallelDims, backend: Ba
     if shard_dim:
         _check_even(experts[0], shard_dim, dims.efsdp)
     # gloo has no PREMUL_SUM (how FSDP applies a custom divide factor), nor has the loopback world where torch's
-    # ReduceOp does not give its factor to Python (torch 2.11): sum, then divide. Only where a reduce-scatter runs:
-    # with efsdp = 1 FSDP already divides in its copy, and forcing the sum as well would divide twice (2.11-2.13).
+    # ReduceOp does not give its factor to Python (torch 2.11: core.torch_compat.premul_sum_factor): sum, then
+    # divide. Only where a reduce-scatter runs: with efsdp = 1 FSDP already divides in its copy, and forcing the sum
+    # as well would divide twice (2.11-2.13).
     force_sum = dims.efsdp > 1 and dist.get_backend(dims.mesh("world").get_group()) in ("gloo", LOOPBACK)
     for module in experts:
         fully_shard(module, mesh=dims.mesh("expert_fsdp"), shard_placement_fn=lambda _: Shard(shard_dim),

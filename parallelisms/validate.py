@@ -45,6 +45,11 @@ def _check_context_parallel(cp: int, world_size: int, heads: HeadCounts | None, 
                f"{shared} / cp heads, or one head repeated); {fix}")
 
 
+# Where the layout's sizes do not fit one process, that is what to change.
+ONE_PROCESS = ("; this is one process (WORLD_SIZE=1): start several with launch.nproc_per_node=N, or torchrun "
+               "--nproc-per-node N")
+
+
 def validate_sizes(cfg: ParallelConfig, world_size: int, alone: str = "") -> None:
     """The layout's sizes against the world size: what building the meshes divides by (``build_parallel_dims`` runs
     it first, so a layout for more processes than were started is this one line, not a ZeroDivisionError).
@@ -79,7 +84,7 @@ def validate_parallel_config(cfg: ParallelConfig, world_size: int, num_experts: 
     _check(cfg.dist_timeout > 0, f"parallel.dist_timeout={cfg.dist_timeout} must be a positive number of seconds")
     _check(cfg.cp_mode in CP_MODES, f"parallel.cp_mode={cfg.cp_mode!r} must be one of {', '.join(CP_MODES)}")
 
-    validate_sizes(cfg, world_size)
+    validate_sizes(cfg, world_size, ONE_PROCESS if world_size == 1 else "")
     if cfg.cp_size > 1:
         _check_context_parallel(cfg.cp_size, world_size, heads, seq_len)
     dp, ep, rep = world_size // cfg.cp_size, cfg.ep_size, cfg.mp_replicate_size  # dp derived: dims.resolve_sizes

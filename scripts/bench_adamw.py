@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core import device  # noqa: E402
+from core.torch_compat import foreach_mul_  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
             ("Triton AdamW, fp32 moments + bf16 copy", lambda: adamw_step(p, g, m32, v32, p_copy=copy, **hyper), 30),
             ("Triton AdamW, bf16 moments", lambda: adamw_step(p, g, m16, v16, **hyper), 20),
             ("compute copy cast alone (copy_)", lambda: copy.copy_(p), 6),
-            ("clip alone (_foreach_mul_)", lambda: torch._foreach_mul_([g], 1.0), 8)]
+            ("clip alone (_foreach_mul_)", lambda: foreach_mul_([g], 1.0), 8)]
     print(f"{n:,} parameters, fp32 p and g")
     for name, step, bytes_per in rows:
         ms = device.time_ms("cuda", step)

@@ -3,6 +3,12 @@
     python scripts/check_kernels.py [--full] [--list] [--ops rms_norm,...] [--kernels auto,flash-linear-attention]
                                     [--chunk-size 64] [--device auto]
 
+--kernels: the kernel_config.name whose kernels are checked; by default ``auto``, what the training default
+(kernel_config=auto) can run, in 48 s from cold caches on an H100 (docs/results.md, "Kernels alone"). The Qwen3.5
+rows' FLA delta rule (kernel_config=auto_fla) is ``--kernels auto,flash-linear-attention``: add about 190 s on cold
+caches, FLA's own first autotune of its chunked rule and short convolution, which the first training step with FLA
+pays the same (about 20 s once Triton's cache holds it).
+
 What is checked: every implementation that kernels/registry.py can choose on this device under --kernels, not only
 the one it prefers (DeltaNet's short convolution: FLA's and ours; packed-document attention: cudnn_attention,
 varlen_attn and flex_attention, against the dense-mask reference); one that cannot run here is named with why.
@@ -372,6 +378,25 @@ def _both_dtypes(make_case: Callable[..., Case], name: str, *args, **kwargs) -> 
             for label, dtype in (("bf16", BF16), ("fp32", FP32))]
 
 
+def _link_case(name: str, ms: float, sms: int, default: bool = False) -> Case:
+    """The loopback world's link timer holding its stream ``ms`` on ``sms`` SMs: the output is the time the stream
+    was held (device events around clock + hold) over ``ms``, about 1 for the kernel and for the reference (which
+    waits on the host); 0.1 allows the timer's launch and the events' resolution."""
+
+    def call(timer, t: Inputs) -> torch.Tensor:
+        x, module = t["x"], device.module(t["x"].device.type)
+        timer.hold(timer.clock(x), 0, sms, x)  # its kernels compiled (a first call's compile would be timed)
+        module.synchronize()
+        begin, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+        begin.record()
+        timer.hold(timer.clock(x), int(ms * 1e6), sms, x)
+        end.record()
+        end.synchronize()
+        return torch.tensor([begin.elapsed_time(end) / ms], device=x.device)
+
+    return Case(name, lambda gen, dev: {"x": _randn(gen, dev, 3, 5)}, call, 0.1, backward=False, default=default)
+
+
 # Each op's cases: the default run's first (default=True: small, awkward), then the model shapes --full adds.
 ODD = f"{N_ODD} tokens x {D_ODD}"
 CASES: dict[str, list[Case]] = {
@@ -455,6 +480,8 @@ CASES: dict[str, list[Case]] = {
                       _cast_case("777 x 1001 bf16 -> fp32, divided by 3", 3.0, (777, 1001), default=True),
                       _cast_case("4M bf16 -> fp32", 1.0), _cast_case("4M bf16 -> fp32, divided by 3", 3.0)],
     "adamw_step": [*_adamw_cases("999,999 params", 999_999, default=True), *_adamw_cases("4M params", 1 << 22)],
+    "link_timer": [_link_case("a 3 ms link on 24 SMs", 3.0, 24, default=True),
+                   _link_case("a 20 ms link on 32 SMs", 20.0, 32)],
     # Every implementation against the dense mask (--full then times each on a 32k window: time_attention_window).
     "document_attention": [
         Case("qwen3.5 16/2 x 256, 2 x 1000 mixed docs <= 400",
@@ -619,8 +646,9 @@ def _list_env(requested: str) -> Env:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="auto,flash-linear-attention",
-                        help="kernel_config.name: the plugins whose kernels are checked (default: %(default)s)")
+    parser.add_argument("--kernels", default="auto",
+                        help="kernel_config.name: the plugins whose kernels are checked (default: %(default)s, the "
+                             "training default; auto,flash-linear-attention adds FLA's, as kernel_config=auto_fla)")
     parser.add_argument("--chunk-size", type=int, default=64, help="kernel_config.chunk_size (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or npu (default: %(default)s)")
     parser.add_argument("--ops", default="", help="comma-separated ops to check (default: every one)")

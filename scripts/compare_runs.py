@@ -97,7 +97,7 @@ def read_config(run_dir: Path) -> dict[str, Any] | None:
     try:
         tree = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise CompareError(f"{path}: not YAML ({e})") from e
+        raise CompareError(f"{path}: not YAML ({' '.join(str(e).split())})") from e  # one line
     return flat_config(tree) if isinstance(tree, dict) else None
 
 

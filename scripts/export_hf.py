@@ -12,12 +12,17 @@ against its file record) with the config recorded in it (``model.model_type``, `
 of our tokenizers (``none``, or pre-tokenized ids of another vocabulary) exports weights and config.json only, and
 says so; ``--tokenizer`` overrides the recorded one. The export replaces ``out-dir`` wholesale, so ``out-dir`` must be
 new, empty or an earlier export (its ``.hf_export.json`` lists its files); a run directory or any other folder
-is refused. It says which step it exported, and warns where the run has trained past its final weights since.
+is refused, and so is one inside a run's checkpoints or the run's model.init_from. Two exports into one directory at
+once: the second is refused. SIGTERM, SIGHUP or Ctrl-C leave nothing of the export (one line says so); a failed write
+(a full disk) names its file. It says which step it exported, and warns where the run has trained past its final
+weights since.
 
 A run started from a Hugging Face directory (``model.init_from``) is exported in that directory's layout (a
 multimodal checkpoint's names), with its config.json, generation, tokenizer and processor files, and every tensor
 of it the run did not train (a vision tower, an MTP head not trained) copied byte for byte; ``--source DIR`` names
-the directory where it has moved, ``--source none`` exports the trained model alone.
+the directory where it has moved, ``--source none`` exports the trained model alone. A source whose copied files or
+untrained tensors differ from what the run loaded (its record) is refused, as is one whose index or files lead out of
+it.
 """
 
 from __future__ import annotations
@@ -33,14 +38,14 @@ import yaml  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from models import build_args, get_spec  # noqa: E402
-from models.hf_io import (DEFAULT_MAX_SHARD_BYTES, check_export_dir, check_export_source,  # noqa: E402
-                          export_state_dict_hf)
+from models.hf_io import (DEFAULT_MAX_SHARD_BYTES, check_export_apart, check_export_dir,  # noqa: E402
+                          check_export_source, export_state_dict_hf)
 from training.checkpoint import (TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state,  # noqa: E402
-                                 verified_weights_step)
+                                 recorded_init_from, verified_weights_step)
 from training.data.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
 from training.data.tokenizer import TOKENIZERS  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
-from training.run_dir import read_record  # noqa: E402
+from training.run_dir import checkpoint_area, read_record  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +66,8 @@ def run_config(path: Path) -> tuple[Path, dict, str]:
             raise FileNotFoundError(f"{file} not found ({what}); expected a run directory holding "
                                     "model.safetensors and config.yaml, the path of its .safetensors file, "
                                     "or a checkpoint directory <run>/checkpoints/step_N")
-    return weights, yaml.safe_load(config.read_text()) or {}, str(config)
+    with config.open() as f:  # a stream: a YAML error names the file (one line: training.launch.one_line_errors)
+        return weights, yaml.safe_load(f) or {}, str(config)
 
 
 def weights_step(weights: Path) -> int | None:
@@ -133,17 +139,24 @@ def main(argv: list[str] | None = None) -> None:
                         "alone)")
     opts = parser.parse_args(argv)
     check_export_dir(opts.out_dir)  # before the checkpoint is read: OUT is replaced wholesale
-    weights, config, source = run_config(opts.checkpoint)
-    model_type, args = model_type_and_args(config, source)
+    area = checkpoint_area(opts.out_dir)
+    if area is not None:
+        raise ValueError(f"export directory {opts.out_dir} is or lies inside {area}, where a run keeps its checkpoints "
+                         "(a resume would take the export for a damaged checkpoint, and a save prune it): choose a "
+                         "directory outside it")
+    weights, config, where = run_config(opts.checkpoint)
+    model_type, args = model_type_and_args(config, where)
     tokenizer, decided = run_tokenizer(config, args.vocab_size, opts.tokenizer)
-    source = opts.source or (config.get("model") or {}).get("init_from")
-    source = None if source == "none" else source
+    init_from = (config.get("model") or {}).get("init_from")
+    source = None if opts.source == "none" else opts.source or init_from
+    check_export_apart(opts.out_dir, [("the run's model.init_from", init_from), ("--source", source)])
     if source is not None:
         check_export_source(source, model_type, args)  # before the checkpoint is read
     step = weights_step(weights)  # the final weights are checked against their record first
     state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
     export_state_dict_hf(state, model_type, args, opts.out_dir, max_shard_bytes=opts.max_shard_bytes,
-                         dtype=DTYPES.get(opts.dtype), extra_files=hf_tokenizer_files(tokenizer), source=source)
+                         dtype=DTYPES.get(opts.dtype), extra_files=hf_tokenizer_files(tokenizer), source=source,
+                         loaded=recorded_init_from(weights) if source is not None else None)
     if tokenizer is None and source is None:
         print(f"no tokenizer files written: {decided}; add that tokenizer's files to {opts.out_dir}")
     print(f"exported {weights} ({model_type}, step {'unknown' if step is None else step}) to {opts.out_dir}"

@@ -81,8 +81,8 @@ def worker(rank: int, world: int, port: int, arch: dict, directory: str, ep: int
     spec, args = get_spec("qwen3_moe"), build_args("qwen3_moe", arch)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = parallelisms.parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32,
-                                           parallelisms.DispatcherConfig("eager"))
+    model = parallelisms.parallelize_qwen3_moe(model, spec, dims, cfg, torch.float32, torch.float32,
+                                               parallelisms.DispatcherConfig("eager"))
     model.to_empty(device="cpu")
     if case in SAVES:
         with torch.no_grad():

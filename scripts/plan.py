@@ -8,9 +8,10 @@ model, layout and number of GPUs, on the CPU in about a second (the model is bui
 
 Takes train.py's overrides (the same Hydra config) plus ``plan.*`` (``training.planner.PlanConfig``: gpus (by
 default launch.nproc_per_node where set, else the smallest world the layout needs; the first line says which),
-gpus_per_node, nvlink_gb_s, internode_gb_s, tflops, hbm_gb_s, capacity_gib, sweep; with model.vision=true
-image_token_share and image_patches). What the numbers assume and
-where they were checked against the H200s: docs/scaling.md.
+gpus_per_node, nvlink_gb_s, internode_gb_s, a2a_gb_s, tflops, hbm_gb_s, capacity_gib, sweep; with model.vision=true
+image_token_share and image_patches). What the numbers
+assume and where they were checked against the H200s: docs/scaling.md. After the plan of one layout, the setting of
+its EP exchange the planner would choose (dispatcher, e4m3 dispatch, checkpointing that keeps the exchange), and why.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.config import register_schema, to_train_config  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
-from training.planner import GiB, Plan, PlanConfig, default_world, fits, plan, sweep  # noqa: E402
+from training.planner import GiB, Plan, PlanConfig, advise, default_world, fits, plan, sweep  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -99,6 +100,8 @@ def main() -> None:
             print_sweep(sweep(cfg, machine), machine)
         else:
             print_plan(plan(cfg, machine), machine, cfg.parallel.activation_checkpoint)
+            print()
+            print("\n".join(advise(cfg, machine)))
 
 
 if __name__ == "__main__":

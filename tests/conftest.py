@@ -295,3 +295,10 @@ def file_size_limited(write, limit: int):
 
     return limited
 
+
+
+@pytest.fixture
+def giant_lr(monkeypatch) -> None:
+    """Lets optim.lr past the bound start-up holds it to (``training.config.MAX_LR``), for the tests that make steps
+    non-finite with optim.lr=1e30 (their configs set optim.weight_decay=0: lr x weight_decay >= 1 is refused too)."""
+    monkeypatch.setattr("training.config.MAX_LR", float("inf"))

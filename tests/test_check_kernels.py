@@ -17,7 +17,7 @@ from kernels.registry import OPS
 from scripts import check_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = KernelConfig(name="auto,flash-linear-attention", include_kernels=list(FLA_OPS))  # the script's default
+CFG = KernelConfig(name="auto,flash-linear-attention", include_kernels=list(FLA_OPS))  # kernel_config=auto_fla
 ENVS = {  # between them, every implementation in the registry can run
     "h100": check_kernels.ASSUMED_CUDA,
     "h100, triton of FLA #640": dataclasses.replace(check_kernels.ASSUMED_CUDA, triton_version="3.6.0"),
@@ -90,11 +90,14 @@ def test_default_cases_are_small_and_awkward() -> None:
         assert max(t.numel() for inputs in built for t in inputs.values()) <= 16 * 1536 * 2048, op
 
 
-def test_list_prints_the_default_plan() -> None:
-    out = subprocess.run([sys.executable, "scripts/check_kernels.py", "--list"], cwd=ROOT, capture_output=True,
-                         text=True)
+@pytest.mark.parametrize("kernels", [None, CFG.name])
+def test_list_prints_the_default_plan(kernels) -> None:
+    """Without --kernels: the training default's (kernel_config=auto) kernels; with FLA's plugin: FLA's as well."""
+    out = subprocess.run([sys.executable, "scripts/check_kernels.py", "--list",
+                          *([f"--kernels={kernels}"] if kernels else [])], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    default = check_kernels.plan(CFG, check_kernels.ASSUMED_CUDA)[0]
+    default = check_kernels.plan(CFG if kernels else KernelConfig(name="auto", include_kernels=list(FLA_OPS)),
+                                 check_kernels.ASSUMED_CUDA)[0]
     assert lines[0].startswith("# default checks on cuda (sm_90)") and lines[-1] == f"# {len(default)} checks"
     assert [line.split()[0] for line in lines if not line.startswith("#")] == [check.op for check in default]

@@ -83,9 +83,10 @@ def test_resume_from_a_path_that_is_not_a_checkpoint_names_the_key(tiny_run_conf
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])  # torch's AdamW; ours, queued before the read
-def test_non_finite_steps_follow_the_policy(tiny_run_config, tmp_path, policy, state_dtype):
-    cfg = tiny_run_config("train.steps=4", "optim.lr=1e30", "optim.warmup_steps=0", f"train.nonfinite={policy}",
-                          f"optim.state_dtype={state_dtype}", "checkpoint.interval=1", "checkpoint.keep_last=4")
+def test_non_finite_steps_follow_the_policy(tiny_run_config, tmp_path, giant_lr, policy, state_dtype):
+    cfg = tiny_run_config("train.steps=4", "optim.lr=1e30", "optim.weight_decay=0", "optim.warmup_steps=0",
+                          f"train.nonfinite={policy}", f"optim.state_dtype={state_dtype}", "checkpoint.interval=1",
+                          "checkpoint.keep_last=4")
     if policy == "stop":
         with pytest.raises(FloatingPointError, match="non-finite"):
             train.run(cfg)

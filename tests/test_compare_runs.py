@@ -233,7 +233,7 @@ def test_real_runs_same_seed_agree_and_another_seed_does_not(tiny_run_config, tm
     # Only the seed tells them apart (output_dir is ignored); two runs of seed 0: their directories too.
     labels = ["train.seed=0 (first)", "train.seed=0 (again)", "train.seed=1"]
     assert [row[0] for row in rows] == labels
-    assert all(row[2] == "8" and row[4] == "n/a" and row[7] == "eager/single/qwen3_moe_debug" for row in rows)
+    assert all(row[2] == "8" and row[4] == "n/a" and row[7] == "fused/single/qwen3_moe_debug" for row in rows)
     pairs = {(p[0], p[1]): p for p in table_rows(summary, "| run A |")}  # 8 steps; MFU not measured on CPU
     # Same seed, same process: the same curve (deterministic CPU kernels), so r = 1 and no difference.
     assert pairs[(labels[0], labels[1])][3:] == ["1.0000", "0"]

@@ -1,7 +1,7 @@
 """train.compile: the compiled model trains exactly like the eager one (fp32 CPU, same weights and data).
 
 Inductor needs a C++ compiler and takes ~30 s per tiny model on 2 cores, so it runs one case (one process, through
-``parallelize_model``); the others use ``aot_eager_decomp_partition``: the same dynamo capture, AOT autograd and
+``parallelize_qwen3_moe``); the others use ``aot_eager_decomp_partition``: the same dynamo capture, AOT autograd and
 decompositions as inductor, run without code generation (plain ``aot_eager`` trips over a view in the backward of
 Qwen3.5's delta rule, which inductor and this backend do not). The gloo runs cover ep2 under every CPU dispatcher
 (mc2 is NPU-only; its experts stay eager like every dispatcher's), activation checkpointing, cp2 and ddp.
@@ -18,7 +18,7 @@ import torch
 import models
 import parallelisms.parallelize
 from models import build_args
-from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, parallelize_model
+from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, parallelize_qwen3_moe
 from parallelisms.compile import apply_compile
 from parallelisms.dispatchers import DispatcherConfig
 from training.config import check_resume_config, flat_config, schema_defaults
@@ -49,8 +49,8 @@ def _loss_and_grads(family: str, cfg: ParallelConfig, compile_blocks: bool) -> t
     spec, args, weights = _weights(family)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = parallelize_model(model, spec, build_parallel_dims(cfg, 1, 0, "cpu"), cfg, torch.float32, torch.float32,
-                              compile_blocks=compile_blocks)
+    model = parallelize_qwen3_moe(model, spec, build_parallel_dims(cfg, 1, 0, "cpu"), cfg, torch.float32, torch.float32,
+                                  compile_blocks=compile_blocks)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
     tokens_BT1 = TOKENS[0]
@@ -122,8 +122,8 @@ def _gloo_worker(rank: int, world_size: int, weights: dict, tokens: torch.Tensor
             dims = build_parallel_dims(cfg, world_size, rank, "cpu")
             with torch.device("meta"):
                 model = spec.model_cls(args)
-            model = parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32,
-                                      DispatcherConfig(name=dispatcher), compile_blocks=compile_blocks)
+            model = parallelize_qwen3_moe(model, spec, dims, cfg, torch.float32, torch.float32,
+                                          DispatcherConfig(name=dispatcher), compile_blocks=compile_blocks)
             model.to_empty(device="cpu")
             load_full_weights(model, weights)
             runs[name, compile_blocks] = train_steps(model, dims, tokens)

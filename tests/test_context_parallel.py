@@ -29,7 +29,7 @@ import train
 from models import build_args, get_spec
 from models.hf_io import export_hf
 from models.layers import document_ids, known_documents
-from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, parallelize_model, resolve_sizes,
+from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, parallelize_qwen3_moe, resolve_sizes,
                           validate_parallel_config)
 from tests.conftest import compose_config, trained_tokens_per_rank, write_chats
 from tests.dist_utils import load_full_weights, run_distributed
@@ -129,7 +129,7 @@ def cp_logits(family: str, preset: str, args, weights: dict, dims, parallel: Par
     spec = get_spec(family)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    model = parallelize_model(model, spec, dims, parallel, torch.float32, torch.float32)
+    model = parallelize_qwen3_moe(model, spec, dims, parallel, torch.float32, torch.float32)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
     input_ids_BT, position_ids_BT = packed_batch()

@@ -353,13 +353,16 @@ _MSG = b'{"role": "user", "content": "hi"}'
     (b'{"messages": [{"content": "hi"}]}', r"messages\[0\] has no 'role'; every message is an object"),
     (b'{"messages": [' + _MSG + b', {"role": "assistant"}]}', r"messages\[1\] has no 'content'"),
     (b'{"messages": [{"role": 1, "content": "hi"}]}', r"messages\[0\]\.role must be a string, got a number"),
-    (b'{"messages": [{"role": "user", "content": ["hi"]}]}', r"messages\[0\]\.content must be a string, got a list"),
+    (b'{"messages": [{"role": "user", "content": ["hi"]}]}', r"messages\[0\]\.content\[0\] must be an object "
+                                                            r'\{"type": "text", "text": ...\} or .*, got a string'),
+    (b'{"messages": [{"role": "user", "content": 3}]}', r"messages\[0\]\.content must be a string or a list of "
+                                                       r"parts, got a number"),
     (b'{"messages": [{"role": "bot", "content": "hi"}]}',
      r"messages\[0\]\.role 'bot' is unknown; use one of system, user, assistant, tool"),
     (b'{"text": "caf\xe9"}', r"not UTF-8: bytes b'\\xe9' at byte 13 of the line; save the file as UTF-8"),
     (b'{"text": "a", "messages": [' + _MSG + b']}', "the object has both 'text' and 'messages'; give one of them"),
 ], ids=["json", "not_object", "no_field", "text_type", "messages_type", "messages_empty", "message_type",
-        "no_role", "no_content", "role_type", "content_type", "unknown_role", "not_utf8", "text_and_messages"])
+        "no_role", "no_content", "role_type", "content_part", "content_type", "unknown_role", "not_utf8", "text_and_messages"])
 def test_malformed_jsonl_names_file_and_line(tmp_path: Path, bad: bytes, expected: str) -> None:
     cfg = _jsonl_cfg(tmp_path / "bad.jsonl", [b'{"text": "fine"}', b"", bad, b'{"text": "fine"}'])
     with pytest.raises(ValueError, match=rf"bad\.jsonl line 3: {expected}") as e:

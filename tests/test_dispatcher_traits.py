@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
-from parallelisms import build_parallel_dims, parallelize_model
+from parallelisms import build_parallel_dims, parallelize_qwen3_moe
 from parallelisms.dispatchers import DISPATCHERS, Dispatcher, base
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
 from tests.dist_utils import debug_model_args
@@ -82,12 +82,12 @@ def test_the_planner_plans_the_toy_by_its_traits(toy, monkeypatch, traits, twin,
 
 def test_the_planner_refuses_to_count_what_the_toy_says_it_cannot(toy, monkeypatch):
     # Counted by default, so it joins the list the planner gives for one it cannot count.
-    with pytest.raises(ValueError, match=r"counts the traffic of domino, eager, fused, toy only \(dedup's depends on "
-                                         r"routing\)$"):
-        plan(compose_config([*TINY_MODEL, "parallel=ep2", "dispatcher=dedup"]), PlanConfig(gpus=4))
+    with pytest.raises(ValueError, match=r"counts the traffic of capacity, dedup, domino, eager, fused, toy only "
+                                         r"\(mc2's moves inside MC2's grouped matmuls"):
+        plan(compose_config([*TINY_MODEL, "parallel=ep2", "dispatcher=mc2"]), PlanConfig(gpus=4))
     monkeypatch.setattr(toy, "uncounted_traffic", "depends on the weather")
-    with pytest.raises(ValueError, match=r"^dispatcher.name='toy': the planner counts the traffic of domino, eager, "
-                                         r"fused only \(toy's depends on the weather\)$"):
+    with pytest.raises(ValueError, match=r"^dispatcher.name='toy': the planner counts the traffic of capacity, dedup, "
+                                         r"domino, eager, fused only \(toy's depends on the weather\)$"):
         plan(toy_config(["parallel=ep2"]), PlanConfig(gpus=4))
     plan(toy_config(["parallel=fsdp2"]), PlanConfig(gpus=4))  # no EP: no dispatcher, nothing to count
 
@@ -113,7 +113,7 @@ def test_the_toy_takes_only_the_keys_it_declares(toy, monkeypatch):
     monkeypatch.setattr(toy, "config_keys", ("capacity_factor",))
     validate(toy_config(["dispatcher.capacity_factor=-1"]))  # its own: capacity's range check is capacity's
     with pytest.raises(ValueError, match=r"^dispatcher.capacity_factor applies to dispatcher=capacity, toy only, "
-                                         r"not eager$"):
+                                         r"not fused$"):
         validate(compose_config(["dispatcher.capacity_factor=3"]))
     with pytest.raises(ValueError, match=r"^dispatcher.capacity_factor=-1.0 must be > 0"):
         validate(compose_config(["dispatcher=capacity", "dispatcher.capacity_factor=-1"]))
@@ -133,7 +133,7 @@ def _parallelize(cfg) -> set[type]:
         spec = models.get_spec("qwen3_moe")
         with torch.device("meta"):
             model = spec.model_cls(debug_model_args())
-        parallelize_model(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
+        parallelize_qwen3_moe(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
         return {type(block.get_submodule(spec.experts).dispatcher) for block in model.get_submodule(spec.blocks)}
     finally:
         dist.destroy_process_group()

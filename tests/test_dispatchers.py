@@ -36,7 +36,7 @@ from kernels.config import KernelConfig
 from kernels.moe import npu as npu_moe
 from kernels.registry import Env, install, installed_kernels, select_kernels
 from models.moe import GroupedExperts
-from parallelisms import build_parallel_dims, parallelize_model
+from parallelisms import build_parallel_dims, parallelize_qwen3_moe
 from parallelisms.dispatchers import DISPATCHERS, Dispatcher, DispatcherConfig, base, dispatcher_class
 from parallelisms.dispatchers import dedup, domino, fused, mc2, npu
 from parallelisms.dispatchers.dedup import DedupDispatcher
@@ -359,7 +359,8 @@ def test_register_adds_a_dispatcher_and_refuses_a_taken_name_or_a_non_dispatcher
         base.register("plain")(object)
 
 
-@pytest.mark.parametrize("overrides, expected", [([], "eager"), (["dispatcher=domino"], "domino"),
+@pytest.mark.parametrize("overrides, expected", [([], "fused"), (["dispatcher=eager"], "eager"),
+                                                 (["dispatcher=domino"], "domino"),
                                                  (["dispatcher=dedup"], "dedup"),
                                                  (["dispatcher=capacity"], "capacity")])
 def test_parallelize_installs_the_dispatcher_group_s_dispatcher(overrides, expected):
@@ -372,7 +373,7 @@ def test_parallelize_installs_the_dispatcher_group_s_dispatcher(overrides, expec
         spec = models.get_spec("qwen3_moe")
         with torch.device("meta"):
             model = spec.model_cls(debug_model_args())
-        parallelize_model(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
+        parallelize_qwen3_moe(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
         installed = {type(block.get_submodule(spec.experts).dispatcher)
                      for block in model.get_submodule(spec.blocks)}
     finally:

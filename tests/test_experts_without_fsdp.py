@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
-from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, clip_grad_norm_, parallelize_model
+from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, clip_grad_norm_, parallelize_qwen3_moe
 from parallelisms import compute_copy, parallelize
 from parallelisms.compute_copy import cast_copies_
 from tests.dist_utils import (assert_same_curve, debug_model_args, fsdp_param_groups, load_full_weights, loss_share,
@@ -40,7 +40,7 @@ def _build(dims, weights, param_dtype: torch.dtype, fsdp_experts: bool, cfg: Par
     with torch.device("meta"):
         model = SPEC.model_cls(debug_model_args())
     with force:
-        model = parallelize_model(model, SPEC, dims, cfg, param_dtype, torch.float32)
+        model = parallelize_qwen3_moe(model, SPEC, dims, cfg, param_dtype, torch.float32)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
     return model
@@ -225,7 +225,7 @@ def test_fsdp_keeps_the_experts_where_their_mesh_has_more_ranks():
             dims = build_parallel_dims(cfg, world, 1, "cpu")
             with torch.device("meta"):
                 model = SPEC.model_cls(debug_model_args())
-            parallelize_model(model, SPEC, dims, cfg, torch.bfloat16, torch.float32)
+            parallelize_qwen3_moe(model, SPEC, dims, cfg, torch.bfloat16, torch.float32)
             assert isinstance(model.model.layers[0].mlp.experts, FSDPModule) == managed, (world, ep, efsdp)
         finally:
             dist.destroy_process_group()
@@ -235,7 +235,7 @@ def test_fsdp_keeps_the_experts_where_their_mesh_has_more_ranks():
             dims = build_parallel_dims(cfg, world, 1, "cpu")
             with torch.device("meta"):
                 model = SPEC.model_cls(debug_model_args())
-            parallelize_model(model, SPEC, dims, cfg, torch.bfloat16, torch.float32)
+            parallelize_qwen3_moe(model, SPEC, dims, cfg, torch.bfloat16, torch.float32)
             assert isinstance(model.model.layers[0].mlp.experts, FSDPModule)
         finally:
             dist.destroy_process_group()

@@ -120,13 +120,13 @@ LARGEST_MIB = 16 * 2 * 256 * 256 * 4 / 2**20
 
 def _sharded_model(rank: int, world_size: int, **arch):
     import models
-    from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, parallelize_model
+    from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, parallelize_qwen3_moe
 
     cfg = ParallelConfig(name="ep2", ep_size=2, backend=BackendConfig())  # ep 2 x expert FSDP 2; the rest FSDP 4
     dims = build_parallel_dims(cfg, world_size, rank, "cpu")
     with torch.device("meta"):
         model = models.get_spec("qwen3_moe").model_cls(debug_model_args(**arch))
-    model = parallelize_model(model, models.get_spec("qwen3_moe"), dims, cfg, torch.float32, torch.float32)
+    model = parallelize_qwen3_moe(model, models.get_spec("qwen3_moe"), dims, cfg, torch.float32, torch.float32)
     model.to_empty(device="cpu")
     return model
 

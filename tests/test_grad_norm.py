@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import models
-from parallelisms import build_parallel_dims, clip_grad_norm_, parallelize_model
+from parallelisms import build_parallel_dims, clip_grad_norm_, parallelize_qwen3_moe
 from tests.conftest import compose_config
 from tests.dist_utils import (debug_model_args, load_full_weights, loss_share, run_distributed, seeded_weights,
                               synthetic_batches)
@@ -32,7 +32,7 @@ def _norm_worker(rank: int, world_size: int, cfgs: dict, weights: dict, tokens_G
         dims = build_parallel_dims(cfg, world_size, rank, "cpu")
         with torch.device("meta"):
             model = spec.model_cls(debug_model_args())
-        model = parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32)
+        model = parallelize_qwen3_moe(model, spec, dims, cfg, torch.float32, torch.float32)
         model.to_empty(device="cpu")
         load_full_weights(model, weights)
         warm_up = clip_grad_norm_(model, 1.0, dims).item()

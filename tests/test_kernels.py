@@ -34,9 +34,9 @@ from tests.fake_torch_npu import FLOATS, GLUE, FakeTorchNpu, install
 ROOT = Path(__file__).resolve().parents[1]
 AUTO_OPS = [op for op in OPS if op not in FLA_OPS]
 DISPATCH_OPS = ("gather_sum", "unpermute_backward", "gather_quantize_rows", "moe_token_permute", "moe_token_unpermute",
-                "grouped_mm", "cast_gradient", "adamw_step")
+                "grouped_mm", "cast_gradient", "adamw_step", "link_timer")
 TRITON_ONLY = ("softmax_cross_entropy", "gather_sum", "unpermute_backward", "gather_quantize_rows", "adamw_step",
-               "cast_gradient",
+               "cast_gradient", "link_timer",
                "document_attention")  # no torch_npu kernel (packed-document attention: CUDA only)
 HOPPER_TRITON_36 = Env("cuda", triton_version="3.6.0", capability=(9, 0), fla_version="0.6.0")
 QWEN35 = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
@@ -339,7 +339,7 @@ def _dispatch_impls(cfg: KernelConfig, env: Env) -> dict[str, str]:
 
 def test_dispatch_path_choice_per_device() -> None:
     triton = {"gather_sum": "triton", "unpermute_backward": "triton", "gather_quantize_rows": "triton",
-              "cast_gradient": "triton", "adamw_step": "triton"}
+              "cast_gradient": "triton", "adamw_step": "triton", "link_timer": "triton"}
     none = dict.fromkeys(DISPATCH_OPS, "torch")
     assert _dispatch_impls(KernelConfig(), Env("cuda", triton_version="3.7.1", capability=(9, 0))) == {
         **none, **triton, "grouped_mm": "torch._grouped_mm"}

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import models
-from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, expert_shard_dim, parallelize_model,
+from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, expert_shard_dim, parallelize_qwen3_moe,
                           resolve_sizes)
 from tests.conftest import compose_config
 from tests.dist_utils import debug_model_args, fsdp_param_groups
@@ -48,7 +48,7 @@ def _parallelized(cfg: ParallelConfig, world_size: int, rank: int, **arch):
     dims = build_parallel_dims(cfg, world_size, rank, "cpu")
     with torch.device("meta"):
         model = SPEC.model_cls(debug_model_args(**arch))
-    return parallelize_model(model, SPEC, dims, cfg, torch.bfloat16, torch.float32), dims
+    return parallelize_qwen3_moe(model, SPEC, dims, cfg, torch.bfloat16, torch.float32), dims
 
 
 @pytest.mark.parametrize("world, kwargs, expert_shape", [
@@ -170,7 +170,7 @@ def test_bf16_mixed_precision_reduces_gradients_in_fp32_in_every_fsdp_unit(fake_
         dtypes.append(tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype)))
         raise Stop
 
-    monkeypatch.setattr(parallelisms, "parallelize_model", spy)
+    monkeypatch.setattr(parallelisms, "parallelize_qwen3_moe", spy)
     with pytest.raises(Stop):
         train.run(tiny_run_config("train.device=cpu", "train.mixed_precision=bf16", "train.steps=1"))
     assert dtypes == [(torch.bfloat16, torch.float32)]
@@ -182,7 +182,7 @@ def test_bf16_mixed_precision_reduces_gradients_in_fp32_in_every_fsdp_unit(fake_
         dims = build_parallel_dims(cfg, 8, 3, "cpu")
         with torch.device("meta"):
             model = SPEC.model_cls(debug_model_args())
-        parallelize_model(model, SPEC, dims, cfg, *dtypes[0])
+        parallelize_qwen3_moe(model, SPEC, dims, cfg, *dtypes[0])
         groups = _param_groups(model)
         layers = range(len(model.model.layers))
         assert set(groups) == {"model.embed_tokens", "model.norm", "lm_head", *(f"model.layers.{i}" for i in layers),
@@ -223,7 +223,7 @@ def test_ignored_modules_must_be_frozen_and_must_exist(fake_world):
         model = SPEC.model_cls(debug_model_args())
     for layer in model.model.layers:
         layer.mlp.gate.requires_grad_(False)
-    parallelize_model(model, SPEC, dims, cfg, torch.float32, torch.float32)
+    parallelize_qwen3_moe(model, SPEC, dims, cfg, torch.float32, torch.float32)
     assert not isinstance(model.model.layers[1].mlp.gate.weight, DTensor)  # whole on every rank
     assert isinstance(model.model.layers[1].self_attn.q_proj.weight, DTensor)
     with pytest.raises(ValueError, match=r"fsdp_ignored_modules: 'model.layerz\.\*' matches no module"):
@@ -255,8 +255,8 @@ def test_single_process_keeps_the_model_and_its_parameter_names(mode):
     names = list(model.state_dict())
     tokens = torch.randint(0, 512, (2, 8))
     expected = model(tokens).logits
-    assert parallelize_model(model, SPEC, dims, _cfg(name="none", activation_checkpoint=mode), torch.float32,
-                             torch.float32) is model
+    assert parallelize_qwen3_moe(model, SPEC, dims, _cfg(name="none", activation_checkpoint=mode), torch.float32,
+                                 torch.float32) is model
     assert list(model.state_dict()) == names
     out = model(tokens).logits
     torch.testing.assert_close(out, expected)

@@ -33,4 +33,4 @@ def test_two_job_sweep_under_torchrun_then_compare_runs(tmp_path):
     assert compare.returncode == 0, compare.stderr[-2000:]
     assert (tmp_path / "cmp" / "loss.png").stat().st_size > 0
     summary = (tmp_path / "cmp" / "summary.md").read_text()
-    assert "Pearson" in summary and summary.count("eager/ep2/qwen3_moe_debug") >= 2
+    assert "Pearson" in summary and summary.count("fused/ep2/qwen3_moe_debug") >= 2

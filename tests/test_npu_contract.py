@@ -22,7 +22,7 @@ from kernels.config import KernelConfig
 from kernels.moe import npu as npu_moe
 from kernels.moe.grouped_mm import per_group_mm
 from kernels.registry import Env, select_kernels
-from parallelisms import build_parallel_dims, parallelize_model
+from parallelisms import build_parallel_dims, parallelize_qwen3_moe
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.dispatchers import npu
 from parallelisms.dispatchers.common import Splits
@@ -78,7 +78,7 @@ def test_mc2_limits_fail_at_parallelize_time(fake_world, parallel: str, top_k: i
     with torch.device("meta"):
         model = spec.model_cls(debug_model_args(num_experts_per_tok=top_k))
     with pytest.raises(ValueError, match=match):
-        parallelize_model(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
+        parallelize_qwen3_moe(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
 
 
 def test_mc2_runs_on_a3_only(fake: FakeTorchNpu, fake_world, monkeypatch: pytest.MonkeyPatch) -> None:

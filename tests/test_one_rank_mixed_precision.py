@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 import models
-from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, clip_grad_norm_, parallelize_model
+from parallelisms import BackendConfig, ParallelConfig, build_parallel_dims, clip_grad_norm_, parallelize_qwen3_moe
 from parallelisms import compute_copy, parallelize
 from parallelisms.compile import apply_compile
 from parallelisms.dims import ParallelDims, _build_meshes, resolve_sizes
@@ -44,7 +44,7 @@ def _build(weights, fsdp: bool, param_dtype: torch.dtype = BF16, ac: str = "none
             if fsdp else build_parallel_dims(cfg, 1, 0, "cpu"))
     with torch.device("meta"):
         model = SPEC.model_cls(debug_model_args())
-    model = parallelize_model(model, SPEC, dims, cfg, param_dtype, torch.float32)
+    model = parallelize_qwen3_moe(model, SPEC, dims, cfg, param_dtype, torch.float32)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
     return model, dims
@@ -208,7 +208,7 @@ def test_bf16_follows_the_autocast_path_it_replaces():
     autocast = train_steps(model, dims, tokens, micro_batches=2, autocast=torch.autocast("cpu", dtype=BF16), fused=True)
     with torch.device("meta"):
         model = SPEC.model_cls(debug_model_args())
-    parallelize_model(model, SPEC, dims, SINGLE, BF16, torch.float32)
+    parallelize_qwen3_moe(model, SPEC, dims, SINGLE, BF16, torch.float32)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
     history = train_steps(model, dims, tokens, micro_batches=2, fused=True)
@@ -229,7 +229,7 @@ def test_compiled_blocks_read_the_same_copies(monkeypatch):
     for compile_blocks in (False, True):
         with torch.device("meta"):
             model = SPEC.model_cls(debug_model_args())
-        parallelize_model(model, SPEC, dims, SINGLE, BF16, torch.float32, compile_blocks=compile_blocks)
+        parallelize_qwen3_moe(model, SPEC, dims, SINGLE, BF16, torch.float32, compile_blocks=compile_blocks)
         model.to_empty(device="cpu")
         load_full_weights(model, weights)
         runs.append(train_steps(model, dims, tokens, micro_batches=2, fused=True))

@@ -37,7 +37,7 @@ def test_every_preset_is_there_and_documented_in_one_line():
 def test_preset_composes_and_validates_at_its_world_size(preset):
     composed = compose_config([f"parallel={preset}"])
     cfg = composed.parallel
-    assert cfg.name == preset and composed.dispatcher.name == "eager"
+    assert cfg.name == preset and composed.dispatcher.name == "fused"
     validate_parallel_config(cfg, WORLD.get(preset, 8), 128, heads=HEADS, seq_len=4096)
 
 

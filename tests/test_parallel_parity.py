@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import models
 from models.moe import SparseMoeBlock
-from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, expert_shard_dim, parallelize_model,
+from parallelisms import (BackendConfig, ParallelConfig, build_parallel_dims, expert_shard_dim, parallelize_qwen3_moe,
                           resolve_sizes)
 from parallelisms.parallelize import shard_experts
 from tests.conftest import compose_config
@@ -51,7 +51,7 @@ def _run_case(cfg: ParallelConfig, num_experts: int, weights, tokens, world_size
     dims = build_parallel_dims(cfg, world_size, rank, "cpu")
     with torch.device("meta"):
         model = spec.model_cls(debug_model_args(num_experts=num_experts))
-    model = parallelize_model(model, spec, dims, cfg, torch.float32, torch.float32)
+    model = parallelize_qwen3_moe(model, spec, dims, cfg, torch.float32, torch.float32)
     model.to_empty(device="cpu")
     load_full_weights(model, weights)
     history = train_steps(model, dims, tokens)

@@ -244,3 +244,33 @@ def test_a_plan_without_plan_gpus_takes_the_processes_train_py_would_start():
     cfg = compose_config(["model=qwen3_moe_235b_a22b", "parallel=ep4", "launch.nproc_per_node=8"])
     assert default_world(cfg) == (8, "launch.nproc_per_node=8")
     assert plan(cfg, PlanConfig()).sizes.world_size == 8
+
+
+# The planner's smaller terms, each exactly against a hand computation from the model's sizes (issue 63): inside the
+# 5-10% tolerances above a term counted twice or dropped goes unnoticed.
+def test_a_one_rank_expert_mesh_counts_the_last_blocks_expert_copy_once():
+    """ep2 on 2 GPUs (efsdp 1), bf16 compute: every block's experts keep their bf16 compute copy all step; the last
+    block's backward then gathers no experts and prefetches none: its experts add only their unsharded gradients
+    and the fp32 gradients they are reduced into."""
+    cfg = compose_config([*TINY_MODEL, "parallel=ep2", "train.mixed_precision=bf16"])
+    memory = plan(cfg, PlanConfig(gpus=2)).memory
+    b, L, E, ep = 2, 2, 8, 2  # qwen3_moe_debug's 2 layers of 8 experts, over 2 ep ranks
+    D, H, h, d, I = 32, 4, 2, 8, 16  # TINY_MODEL
+    block = D * H * d + 2 * D * h * d + H * d * D + 2 * d + 2 * D + E * D  # q, k, v, o, q/k norms, 2 norms, router
+    experts = E // ep * (2 * I * D + D * I)  # this ep rank's gate_up and down
+    # The non-expert part (fsdp 2: each rank holds half): gathered, its unsharded gradients, the reduce-scatter's
+    # fp32 input (all of it), the previous block prefetched; the experts: their gradients in compute and fp32.
+    last_block = block * b * 3 + block * 4 + experts * b + experts * 4
+    assert memory.fsdp_buffers == last_block + L * experts * b  # + every block's expert compute copy, once
+
+
+def test_the_mtp_heads_rows_go_through_the_lm_head_too():
+    """The LM head's term: one chunk of logits and the gradients it keeps (its input rows' and its weight's). With
+    the MTP head, its rows go through the same head: twice the rows."""
+    N, V, D, b = 2 * 16, 256, 32, 2  # local batch 2 x seq 16 tokens; QWEN35_TINY's vocabulary and width; bf16
+    common = [*QWEN35_TINY, "parallel=single", "data.seq_len=16", "train.local_batch_size=2",
+              "train.mixed_precision=bf16"]
+    for mtp, rows in (("0.0", N), ("0.3", 2 * N)):
+        cfg = compose_config([*common, f"model.arch.mtp_loss_weight={mtp}"])
+        memory = plan(cfg, PlanConfig(gpus=1)).memory
+        assert memory.lm_head == rows * V * b + rows * D * b + V * D * b, mtp  # logits (one chunk), input, weight

@@ -128,6 +128,43 @@ def test_loopback_copies_are_counted_apart_from_compute():
     assert profile["loopback_ms"] == {"all_to_all": pytest.approx(4e-3)}
 
 
+@pytest.mark.torch_apis  # the profiler's FunctionEvent differs between torch versions
+def test_two_profiled_steps_give_per_step_figures():
+    """scripts/simulate.py profiles two steps: every figure is per step, the loopback copies too (with one step a
+    missing division by the steps changes nothing)."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name: str, start: float, end: float, device_type=cpu) -> FunctionEvent:
+        return FunctionEvent(id=0, name=name, thread=1, start_us=start, end_us=end, device_type=device_type,
+                             device_resource_id=7, use_device="cuda")
+
+    copy = "Memcpy DtoD (Device -> Device)"
+    ranges = []
+    for start in (0.0, 100.0):  # one loopback all-to-all per step, each launching a 6 us copy
+        loopback_range, launch = event("loopback all_to_all", start, start + 8), event("aten::copy_", start + 1, start + 7)
+        launch.append_kernel(copy, 0, 6.0)
+        loopback_range.append_cpu_child(launch)
+        ranges += [loopback_range, launch]
+    device = [event(copy, 10.0, 16.0, cuda), event("nvjet_tst_gemm", 20.0, 60.0, cuda),
+              event(copy, 110.0, 116.0, cuda), event("nvjet_tst_gemm", 120.0, 140.0, cuda)]
+
+    class Profile:
+        def events(self) -> list[FunctionEvent]:
+            return [*ranges, *device]
+
+    kernels, copies = split_loopback(Profile(), kernel_intervals(Profile()))
+    assert len(copies) == 2 and [k.name for k in kernels] == ["nvjet_tst_gemm"] * 2
+    assert loopback_ms(Profile(), 2) == {"all_to_all": pytest.approx(6e-3)}  # 12 us over 2 steps
+    profile = step_profile(kernels, 200e-6, 2, loopback_ms(Profile(), 2))
+    assert profile["wall_ms"] == pytest.approx(0.1) and profile["busy_ms"] == pytest.approx(0.03)  # (40 + 20) / 2
+    assert profile["idle_ms"] == pytest.approx(0.07)
+    assert profile["categories_ms"] == {"GEMM": pytest.approx(0.03)}
+    rows = _rows(summarize(kernels, wall_s=200e-6, steps=2, loopback=copies))
+    assert rows["wall time"][0] == "0.10" and rows["compute kernels busy (union over streams)"][0] == "0.03"
+    assert rows[LOOPBACK][0] == "0.01" and rows[LOOPBACK][2] == "1"  # 6 us and one copy a step
+    assert rows["GEMM"][0] == "0.03" and rows["GEMM"][2] == "1"
+
+
 def test_profiled_cpu_run_writes_trace_and_summary(tiny_run_config):
     cfg = tiny_run_config("train.steps=3", "train.save_final=false", "logging.profile_step=2",
                           "logging.profile_steps=1")

@@ -140,7 +140,7 @@ def test_export_keeps_every_untrained_tensor_and_the_source_layout(tmp_path, mul
 
 
 def test_trained_mtp_head_is_exported_and_reloads_exactly(tmp_path, multimodal):
-    run = _run(tmp_path, multimodal, "mtp", "+model.arch.mtp_loss_weight=0.3")
+    run = _run(tmp_path, multimodal, "mtp", "model.arch.mtp_loss_weight=0.3")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(m["mtp_loss"] > 0 for m in metrics if "loss" in m)
     source, exported, trained = _source_tensors(multimodal), _exported(run / "hf"), load_file(run / "model.safetensors")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
+import train
 from core.constants import IGNORE_INDEX
 from models import build_args, get_spec
 from models.causal_lm import MtpBatch, mtp_batch
@@ -197,3 +199,52 @@ def test_mtp_head_loads_from_per_expert_and_fused_names(tmp_path) -> None:
         loaded = load_hf_state_dict(tmp_path / layout, mtp=True)
         assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state), layout
         assert not any(k.startswith("mtp.") for k in load_hf_state_dict(tmp_path / layout)), layout
+
+
+MTP_TINY = ["model=qwen35_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
+            "model.arch.moe_intermediate_size=16", "model.arch.shared_expert_intermediate_size=16"]
+
+
+def test_a_train_steps_mtp_loss_and_gradient_are_its_weight_times_its_own_mean(tiny_run_config, tmp_path,
+                                                                             monkeypatch) -> None:
+    """train.py's step against the arithmetic done by hand: its logged ``mtp_loss`` is the MTP head's cross-entropy
+    summed over the step's micro-batches divided by the MTP head's own trained labels (not the main loss's), and the
+    gradient of the head's parameters is ``mtp_loss_weight`` x that mean's (the router losses off, so that nothing
+    else reaches them). Two micro-batches of packed documents: the MTP count (pairs crossing a document end and the
+    window's last position ignored) differs from the main one."""
+    weight, docs = 0.3, tmp_path / "documents.npy"
+    ids = np.random.default_rng(0).integers(1, 256, size=4096)
+    ids[np.random.default_rng(1).random(4096) < 0.2] = 0  # documents of about 5 tokens, each ended by id 0
+    np.save(docs, ids)
+    cfg = tiny_run_config(*MTP_TINY, f"model.arch.mtp_loss_weight={weight}", "model.arch.router_aux_loss_coef=0",
+                          f"data.path={docs}", "data.eos_id=0", "data.seq_len=16", "train.local_batch_size=2",
+                          "train.grad_accum_steps=2", "train.steps=0")
+    seen: dict = {}
+    original = train.queue_step
+
+    def by_hand(model, batches, *args, **kwargs):
+        queued = original(model, batches, *args, **kwargs)  # train.steps=0: no update, the gradients kept to here
+        head = {name: p for name, p in model.named_parameters() if name.startswith("mtp.")}
+        seen["grads"] = {name: p.grad.clone() for name, p in head.items()}
+        ce_sum = 0.0
+        for b in batches:
+            logits = model(b.input_ids, b.position_ids, packed=b.packed, mtp=MtpBatch(b.mtp.input_ids_BT,
+                                                                                    b.mtp.labels_BT)).mtp_logits
+            ce_sum = ce_sum + F.cross_entropy(logits.flatten(0, 1).float(), b.mtp.labels_BT.flatten(),
+                                              ignore_index=IGNORE_INDEX, reduction="sum")
+        count = sum(int((b.mtp.labels_BT != IGNORE_INDEX).sum()) for b in batches)
+        seen["counts"] = (count, sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches))
+        seen["mtp_loss"] = (ce_sum / count).item()
+        seen["expected"] = dict(zip(head, torch.autograd.grad(weight * ce_sum / count, list(head.values()))))
+        seen["read"] = queued.read().tolist()
+        return queued
+
+    monkeypatch.setattr(train, "queue_step", by_hand)
+    history = train.run(cfg)
+    mtp_count, main_count = seen["counts"]
+    assert 0 < mtp_count < main_count * 0.8  # the window's last pair and the pairs crossing a document end ignored
+    assert history[0]["mtp_loss"] == pytest.approx(seen["mtp_loss"], rel=1e-5)
+    assert seen["read"][3] == pytest.approx(seen["mtp_loss"], rel=1e-5)
+    assert "mtp.fc.weight" in seen["grads"] and "mtp.layers.0.mlp.experts.gate_up_proj" in seen["grads"]
+    for name, grad in seen["grads"].items():
+        torch.testing.assert_close(grad, seen["expected"][name], rtol=1e-4, atol=1e-8, msg=name)

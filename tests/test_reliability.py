@@ -266,8 +266,9 @@ def test_a_damaged_init_from_directory_names_the_file(tiny_run_config, tmp_path)
 
 
 # ------------------------------------------------------------------------------------- metrics
-def test_skipped_steps_write_strict_json_and_show_on_the_console(tiny_run_config, caplog):
-    cfg = tiny_run_config("train.steps=3", "optim.lr=1e30", "optim.warmup_steps=0", "train.nonfinite=skip")
+def test_skipped_steps_write_strict_json_and_show_on_the_console(tiny_run_config, giant_lr, caplog):
+    cfg = tiny_run_config("train.steps=3", "optim.lr=1e30", "optim.weight_decay=0", "optim.warmup_steps=0",
+                          "train.nonfinite=skip")
     with caplog.at_level("INFO", logger="train"):
         train.run(cfg)
 

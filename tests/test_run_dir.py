@@ -45,7 +45,7 @@ def test_a_torchrun_job_writes_only_its_run_directory_and_its_config_reruns(tmp_
                                                "model.safetensors.record.json", "train.log", "logs", "checkpoints",
                                                "run.json", "run.lock"}
     log = (run / "train.log").read_text()
-    assert "layout: world 2 = dp 2 x cp 1; experts: ep 2 x efsdp 1 x edp 1; fsdp2; dispatcher eager" in log
+    assert "layout: world 2 = dp 2 x cp 1; experts: ep 2 x efsdp 1 x edp 1; fsdp2; dispatcher fused" in log
     assert "global batch: 8 sequences x 32 tokens = 256 tokens per step" in log
     assert "step     2/2" in log and "done: 2 of 2 steps" in log
     assert (run / "logs" / "rank_1.log").exists()  # logging.all_ranks: every other rank's log beside train.log

@@ -255,17 +255,45 @@ def test_what_a_simulation_cannot_do_is_refused_in_one_line(overrides, error):
 
 
 
+def _simulate_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/simulate.py", *args], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+
+
 def test_scripts_simulate_measures_a_rank_and_predicts_the_job(tmp_path):
-    """The README's command on the tiny default: rank 0 of a 4-rank ep2 job, its report and simulation.json."""
-    out = subprocess.run([sys.executable, "scripts/simulate.py", "parallel=ep2", "sim.world=4", "sim.steps=3",
-                          "train.local_batch_size=2", "data.seq_len=32", f"sim.out={tmp_path}"],
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    """The README's command on the tiny default: rank 0 of a 4-rank ep2 job, its report and simulation.json, with the
+    links off (the prediction on paper)."""
+    out = _simulate_script("parallel=ep2", "sim.world=4", "sim.steps=3", "train.local_batch_size=2", "data.seq_len=32",
+                           f"sim.out={tmp_path}", "sim.links=off")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "rank 0 of 4 (ep2, routing balanced, 64 tokens per GPU per step)" in out.stdout
+    assert "rank 0 of 4 (ep2, dispatcher fused, routing balanced, 64 tokens per GPU per step)" in out.stdout
     report = json.loads((tmp_path / "simulation.json").read_text())
-    assert report["world"] == 4 and report["predicted_tokens_per_s_per_gpu"] > 0
+    assert report["world"] == 4 and report["predicted_tokens_per_s_per_gpu"] > 0 and report["links"] == "off"
     assert report["executed_tflops"] == report["compute_tflops"]  # no checkpointing: nothing ran twice
     assert {c["kind"] for c in report["collectives"]} == {"all_gather", "reduce_scatter", "all_to_all"}
-    bad = subprocess.run([sys.executable, "scripts/simulate.py", "sim.wrld=4"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    # The exposed exchanges (ep2's all-to-alls, inside a node) at sim.a2a_gb_s (default 130), not the link's 450
+    at_link = sum(c["link_s"] for c in report["collectives"] if c["exposed"])
+    assert at_link > 0 and report["link_exposed_s"] == pytest.approx(at_link)
+    assert report["exposed_link_s"] == pytest.approx(at_link * 450 / 130)
+    assert report["advice"][0].startswith("choice for the exchange (the planner's numbers: 4 GPUs, the all-to-all at "
+                                          "130 GB/s inside a node, round-robin routing):")
+    bad = _simulate_script("sim.wrld=4")
     assert bad.returncode == 1 and bad.stderr.startswith("error: ValueError: sim has no key 'wrld'")
+
+
+def test_scripts_simulate_with_the_links_emulated_predicts_the_measured_step(tmp_path):
+    """The default, sim.links=on: each collective held for its link time (on the CPU a sleep), the prediction the
+    measured step; the all-to-all time held per step is the plan's at sim.a2a_gb_s (fp32, as the CPU computes: the
+    planner takes train.mixed_precision=auto for bf16)."""
+    out = _simulate_script("parallel=ep2", "dispatcher=dedup", "sim.world=4", "sim.steps=3", "train.local_batch_size=2",
+                           "data.seq_len=32", "train.mixed_precision=fp32", f"sim.out={tmp_path}", "sim.a2a_gb_s=50")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "simulation.json").read_text())
+    assert report["links"] == "emulated" and report["predicted_step_s"] == report["step_s"]
+    assert report["predicted_tokens_per_s_per_gpu"] == pytest.approx(64 / report["step_s"])
+    planned = sum(c["link_s"] for c in report["collectives"] if c["kind"] == "all_to_all") * 450 / 50
+    assert report["held_link_s"]["all_to_all"] == pytest.approx(planned, rel=1e-6)
+    assert "link time held per step: all_gather" in out.stdout and "predicted:" in out.stdout
+    given = _simulate_script("launch.links.a2a_gb_s=9", f"sim.out={tmp_path / 'x'}")
+    assert given.returncode == 1 and "launch.links.a2a_gb_s: scripts/simulate.py sets the links from sim.links" in \
+        given.stderr

@@ -48,7 +48,7 @@ def _corpus(path: Path, rows: int = 300) -> Path:
 def _single_process(path: Path) -> np.ndarray:
     """The stream as data=jsonl built it before shards: every document of the file, in order, concatenated."""
     ids, mask = [], []
-    for doc_ids, doc_mask in jsonl_docs(path, QwenTokenizer("qwen3")):
+    for doc_ids, doc_mask, _ in jsonl_docs(path, QwenTokenizer("qwen3")):  # no images
         ids += doc_ids
         mask += doc_mask
     return np.array([ids, mask], dtype=np.uint32)

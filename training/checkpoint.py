@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import io
 import json
 import logging
@@ -38,16 +37,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from core.files import atomic_write, atomic_write_text, nearest_existing, record_paths, record_problems
+from core.files import (atomic_write, atomic_write_text, nearest_existing, record_paths, record_problems,
+                        write_failure)
 from core.safetensors_stream import layout_of, save_file_order, stream_gathered, write_safetensors
+from core.torch_compat import DCP_METADATA_GLOBALS, flatten_state_dict, set_element
 
 logger = logging.getLogger("train")
 
@@ -74,18 +73,11 @@ class CheckpointConfig:
 
 
 # ------------------------------------------------------------------------------------------ safe reading
-# Everything DCP's metadata pickle is made of (checked on torch 2.11 and 2.13), as exact (module, name) pairs.
+# Everything DCP's metadata pickle is made of (torch's globals: core.torch_compat), as exact (module, name) pairs.
 # Names are compared whole, so pickle's dotted-name lookup (``metadata.os.system``) never happens.
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_METADATA_GLOBALS = frozenset({
-    (_DCP_METADATA, "Metadata"), (_DCP_METADATA, "MetadataIndex"), (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "TensorStorageMetadata"), (_DCP_METADATA, "BytesStorageMetadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"), (_DCP_METADATA, "TensorProperties"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib._local", "PosixPath"),  # Python >= 3.13
-    *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
-})
+_METADATA_GLOBALS = DCP_METADATA_GLOBALS | {
+    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # Python >= 3.13
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -163,10 +155,19 @@ def step_of(path: Path) -> int | None:
 
 
 def step_dirs(root: Path) -> list[Path]:
-    """Every ``step_NNNNNNNN`` directory under root, complete or not, oldest first."""
+    """Every ``step_NNNNNNNN`` directory under root, complete or not, oldest first. A symbolic link named so is none:
+    a save writes a folder, so a link is another run's checkpoint (``linked_step_dirs``), never read or pruned."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+    return sorted((p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and step_of(p) is not None),
+                  key=step_of)
+
+
+def linked_step_dirs(root: Path) -> list[Path]:
+    """The symbolic links under root named like checkpoints (``step_dirs`` leaves them out)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_symlink() and step_of(p) is not None)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -313,6 +314,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     if is_writer:
         with _named_write_failures(f"checkpoint {final}", root, tmp, kept):
             (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "files": files}))
+        if final.is_symlink():  # a link in the way (find_start never reads one): the link goes, not what it names
+            final.unlink()
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete_checkpoints(root)[:-keep_last]:
@@ -321,13 +324,6 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
                     sum(r["bytes"] for r in files.values()) / 2**30, written - start, recorded - written)
     _barrier()
     return final
-
-
-_WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EFBIG: "file too large (a file-size limit: "
-                 "ulimit -f)", errno.EDQUOT: "disk quota exceeded"}
-# A folder made read-only under a running job (its permissions, or the file system remounted read-only).
-_DENIED_ERRNOS = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
-                  errno.EROFS: "read-only file system"}
 
 
 def save_sizes(model: nn.Module, moment_dtype: torch.dtype) -> tuple[int, int]:
@@ -355,35 +351,6 @@ def space_warnings(needs: dict[Path, int]) -> list[str]:
                          "it would fail then. Free space, point checkpoint.dir or train.output_dir elsewhere, or set "
                          "train.save_final=false")
     return lines
-
-
-def write_failure(e: BaseException, what: str, path: Path) -> str | None:
-    """``no space or file too large while writing <what>: <cause>`` (``path``: where it goes) when ``e`` (or what
-    it wraps: DCP gathers every rank's exception) is a failed write, or ``could not write <what>: permission denied
-    on <file> ...`` for a folder made read-only under the run, else None. torch's zip writer reports a full
-    disk or a file-size limit as ``RuntimeError ... unexpected pos``, without an errno: then the free space says
-    which."""
-    pending, seen = [e], []
-    while pending:
-        cause = pending.pop()
-        if cause is None or any(cause is s for s in seen):
-            continue
-        seen.append(cause)
-        pending += [cause.__cause__, cause.__context__]
-        pending += [failure[0] for failure in getattr(cause, "failures", {}).values()]
-        code = cause.errno if isinstance(cause, OSError) else None
-        if code in _DENIED_ERRNOS:
-            return (f"could not write {what}: {_DENIED_ERRNOS[code]} on {cause.filename or path} (its folder made "
-                    "read-only under the run?): make it writable again")
-        if code not in _WRITE_ERRNOS and not (isinstance(cause, RuntimeError) and (
-                "unexpected pos" in str(cause) or "failed writing" in str(cause))):
-            continue
-        where = nearest_existing(path)
-        free = shutil.disk_usage(where).free
-        why = _WRITE_ERRNOS.get(code) or ("no space left on the device" if free < 64 << 20 else
-                                          "file too large (a file-size limit: ulimit -f) or a quota")
-        return f"no space or file too large while writing {what}: {why} ({free / 2**30:.2f} GiB free on {where})"
-    return None
 
 
 @contextlib.contextmanager
@@ -467,10 +434,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, t in saved_tensors(model).items()}
 
 
-def save_model_weights(model: nn.Module, path: Path, is_writer: bool, step: int | None = None) -> None:
+def save_model_weights(model: nn.Module, path: Path, is_writer: bool, step: int | None = None,
+                       init_from: dict[str, Any] | None = None) -> None:
     """Collective: the final weights as one safetensors file (``saved_tensors`` as full tensors, metadata
     {"format": "pt"}: the bytes ``save_file(full_state_dict(model))`` would write), written atomically by the
-    writer, then their record (``weights_record``: ``step``, the size and block CRCs). Parameters are gathered one at
+    writer, then their record (``weights_record``: ``step``, what the run loaded from model.init_from
+    (``init_from``: ``recorded_init_from``), the size and block CRCs). Parameters are gathered one at
     a time and streamed into the file (``stream_gathered``): the writer's host memory holds one tensor, the other
     ranks' none, instead of the whole model on every rank."""
     tensors = saved_tensors(model)
@@ -480,7 +449,8 @@ def save_model_weights(model: nn.Module, path: Path, is_writer: bool, step: int 
         with _named_write_failures(str(path), path):
             weights_record(path).unlink(missing_ok=True)  # never an older file's record beside a newer file
             atomic_write(path, lambda tmp: write_safetensors(tmp, layouts, host, metadata={"format": "pt"}))
-            atomic_write_text(weights_record(path), json.dumps({"step": step, **record_paths([path])[path]}) + "\n")
+            atomic_write_text(weights_record(path), json.dumps({"step": step, "init_from": init_from,
+                                                                **record_paths([path])[path]}) + "\n")
 
     stream_gathered(tensors, layouts, write if is_writer else None)
 
@@ -506,3 +476,14 @@ def verified_weights_step(path: Path) -> int | None:
         raise CheckpointError(f"{path} is damaged: {'; '.join(problems)}. The run's checkpoints hold the weights too: "
                               "export the newest (scripts/export_hf.py <run>/checkpoints/step_N)")
     return written.get("step")
+
+
+def recorded_init_from(weights: Path) -> dict[str, Any] | None:
+    """What the run of ``weights`` (a checkpoint, or final weights with their record) loaded from model.init_from, as
+    recorded (``models.hf_io.record_source``); None where nothing was recorded."""
+    try:
+        if (weights / TRAIN_STATE).is_file():
+            return read_train_state(weights).get("init_from")
+        return json.loads(weights_record(weights).read_text()).get("init_from")
+    except (OSError, ValueError, AttributeError):
+        return None

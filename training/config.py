@@ -5,7 +5,9 @@ process group exists."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,10 +163,44 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# Values no run should take, refused at start-up (``validate``):
+# optim.lr: AdamW moves each weight by about lr a step whatever the gradient's scale (its update m / (sqrt(v) + eps) is
+# about +-1), so from lr = 1 a step moves every weight by more than the weights' own size (initialised at std 0.02,
+# the norms at 1): it rewrites the model rather than trains it. Published LLM runs train at 1e-5 .. 1e-2.
+MAX_LR = 1.0
+MIN_LR = 2.0**-149  # the smallest float32: below it an lr is 0 in the float32 update, which then moves nothing
+# train.steps: the longest published pre-training runs take about 1e6 optimizer steps; 1e9 is a thousand times that,
+# and 116 days even at 10 ms a step (the tiny debug model on a CPU; a real model's step takes seconds).
+MAX_STEPS = 10**9
+# Tokens trained (train.steps x the global batch x data.seq_len): 1e15 is 25 times the largest published pre-training
+# corpus (Qwen3's 36T tokens), 32 years at a million tokens a second.
+MAX_TOKENS = 10**15
+
+
+def non_finite(node: Any, key: str = "") -> Iterator[tuple[str, float]]:
+    """(dotted key, value) of every nan or infinite float of a config (a dataclass, dict or list, walked): no key
+    means anything by one (nan passes no comparison, so a check written as a range would let it through)."""
+    if isinstance(node, float):
+        if not math.isfinite(node):
+            yield key, node
+    elif dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from non_finite(getattr(node, f.name), f"{key}.{f.name}".lstrip("."))
+    elif isinstance(node, dict):
+        for name, value in node.items():
+            yield from non_finite(value, f"{key}.{name}".lstrip("."))
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from non_finite(value, f"{key}[{i}]")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Every single-field and cross-field check that needs no process group, with the key in the message."""
     t, o = cfg.train, cfg.optim
     _check(t.steps >= 0, f"train.steps={t.steps} must be >= 0")
+    _check(t.steps <= MAX_STEPS, f"train.steps={t.steps:,} is absurd: more than {MAX_STEPS:,} optimizer steps (a "
+           "thousand times the longest published pre-training runs, about 1e6 steps; 116 days even at 10 ms a step): "
+           "set train.steps to the steps the run should train")
     _check(t.local_batch_size > 0, f"train.local_batch_size={t.local_batch_size} must be positive")
     _check(t.grad_accum_steps > 0, f"train.grad_accum_steps={t.grad_accum_steps} must be positive")
     _check(t.mixed_precision in ("auto", "bf16", "fp32"),
@@ -201,6 +237,29 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(o.grad_clip == o.grad_clip, f"optim.grad_clip={o.grad_clip} must be a number: the largest gradient norm "
                                        "(> 0), or <= 0 for no clipping")  # NaN, unequal to itself, would clip nothing
+    for key, value in non_finite(cfg):  # optim.lr=inf, optim.betas[0]=nan, model.arch.router_z_loss_coef=nan, ...
+        raise ValueError(f"{key}={value} must be a finite number" + (
+            " (optim.grad_clip <= 0: no clipping)" if key == "optim.grad_clip" else ""))
+    _check(o.lr < MAX_LR, f"optim.lr={o.lr:g} is too large: AdamW moves every weight by about lr a step whatever the "
+           f"gradient's scale, so from lr={MAX_LR:g} a step moves each by more than the weights' own size (initialised "
+           "at std 0.02, norms at 1) and rewrites the model rather than trains it; LLMs train at 1e-5 to 1e-2")
+    _check(o.lr >= MIN_LR, f"optim.lr={o.lr:g} is below the smallest float32 ({MIN_LR:.2g}): the update computes in "
+           "float32, where it is 0, so nothing would train")
+    _check(o.warmup_steps <= MAX_STEPS, f"optim.warmup_steps={o.warmup_steps:,} is absurd: more than {MAX_STEPS:,} "
+           "steps (see train.steps); the lr would stay near 0 for the whole run")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0 (0: no decay): a negative decay "
+           "grows every matrix each step")
+    _check(o.lr * o.weight_decay < 1, f"optim.lr={o.lr:g} x optim.weight_decay={o.weight_decay:g} >= 1: AdamW scales "
+           "every matrix by 1 - lr x weight_decay each step, which would zero or flip it; lower optim.weight_decay")
+    _check(all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)}: each must be in [0, 1) (beta1 = 1 never "
+           "moves the first moment off 0, so nothing trains; beta2 = 1 divides by zero in the bias correction)")
+    _check(o.eps > 0, f"optim.eps={o.eps} must be positive: an expert no token reached has a zero gradient, and its "
+           "update 0 / (sqrt(0) + eps) is nan at eps = 0")
+    tokens = t.steps * t.local_batch_size * t.grad_accum_steps * cfg.data.seq_len  # x dp more: this is the least
+    _check(tokens <= MAX_TOKENS, f"train.steps={t.steps:,} trains at least {tokens:.3g} tokens (x train."
+           f"local_batch_size={t.local_batch_size} x train.grad_accum_steps={t.grad_accum_steps} x data.seq_len="
+           f"{cfg.data.seq_len}, and x dp): more than 1e15, 25 times the largest published pre-training corpus (36T "
+           "tokens), 32 years at a million tokens a second; set train.steps to the steps the run should train")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _check_state_dtype(o)

@@ -23,13 +23,15 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.experimental.callback import Callback
 
 from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
+from parallelisms.links import LinkConfig, link_errors
 from training.checkpoint import CheckpointError, complete_checkpoints
 
 _RELAUNCHED = "QWEN_MOE_RELAUNCHED"  # set for the children of relaunch_with_torchrun
@@ -39,7 +41,19 @@ class LaunchError(RuntimeError):
     """A torchrun job started by relaunch_with_torchrun failed; the message is its first failure's."""
 
 
-ONE_LINE_ERRORS = (ValueError, OSError, ImportError, FloatingPointError, CheckpointError, LaunchError)
+# yaml.YAMLError: a config file YAML cannot read (a syntax error, or a !!python tag, which no loader here constructs)
+ONE_LINE_ERRORS = (ValueError, OSError, ImportError, FloatingPointError, CheckpointError, LaunchError, yaml.YAMLError)
+
+
+def yaml_line(e: yaml.YAMLError) -> str:
+    """A YAML error as one line: the file, line and column, and the problem (YAML's own message spans lines)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{mark.name} line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(e, "problem", None) or " ".join(str(e).split())
+    if "tag:yaml.org,2002:python/" in problem:
+        problem += (" (a tag that builds a Python object, which no config here may do: refused, nothing was run); "
+                    "the trainer writes no such tag: restore the file, or remove the tag")
+    return where + problem
 
 
 @dataclass
@@ -49,6 +63,9 @@ class LaunchConfig:
     # (parallelisms/loopback.py; docs/scaling.md): the real job's per-rank work, timed on one device
     simulate_world: int = 0
     simulate_rank: int = 0
+    # The links the simulated job's collectives take (parallelisms/links.py): emulated in the loopback world's
+    # collectives when launch.links.emulate (scripts/simulate.py turns it on), else the collectives are copies alone
+    links: LinkConfig = field(default_factory=LinkConfig)
 
 
 def needs_torchrun(cfg: LaunchConfig) -> bool:
@@ -58,13 +75,17 @@ def needs_torchrun(cfg: LaunchConfig) -> bool:
 def simulation_errors(launch: LaunchConfig, writes: dict[str, str], dispatcher: str) -> list[str]:
     """What a loopback simulation (launch.simulate_world) cannot do, each as the line that refuses it. ``writes``:
     the keys set to write (or resume) a checkpoint, weights or an export, each with the value that turns it off. A
-    simulated checkpoint would hold one rank of N, its peers' shards being copies of its own. ``dispatcher``:
+    simulated checkpoint would hold one rank of N, its peers' shards being copies of its own. ``launch.links`` is
+    checked here too, in one place (``parallelisms.links.link_errors``). ``dispatcher``:
     dispatcher.name, refused where its class declares the loopback cannot stand in for its exchange
     (``Dispatcher.unsimulated``)."""
     n, r = launch.simulate_world, launch.simulate_rank
+    errors = link_errors(launch.links)
     if n == 0:
-        return [] if r == 0 else [f"launch.simulate_rank={r} needs launch.simulate_world (the simulated job's ranks)"]
-    errors = []
+        return errors + ([] if r == 0 else [f"launch.simulate_rank={r} needs launch.simulate_world (the simulated "
+                                            "job's ranks)"]) + (
+            ["launch.links.emulate=true needs launch.simulate_world (the links of a loopback simulation's job)"]
+            if launch.links.emulate else [])
     if not 0 <= r < n:
         errors.append(f"launch.simulate_world={n}, launch.simulate_rank={r}: need 0 <= simulate_rank < simulate_world")
     if launch.nproc_per_node > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -103,6 +124,7 @@ def one_line_errors(sweep_job: str | None = None) -> Iterator[None]:
             raise
         message = (str(e) if isinstance(e, (LaunchError, CheckpointError)) else
                    f"{_LOST_PEER_LINE}: {str(e).splitlines()[0]}" if _lost_peer(e) else
+                   f"{type(e).__name__}: {yaml_line(e)}" if isinstance(e, yaml.YAMLError) else
                    f"{type(e).__name__}: {e}")
         if sweep_job is not None:
             message = f"sweep job {sweep_job}: {message}"

@@ -24,7 +24,10 @@ import models
 from kernels.loss.linear_cross_entropy import default_chunk_rows
 from models.footprint import NO_ACTIVATIONS, LayerActivations
 from parallelisms import ParallelSizes, expert_shard_dim, resolve_sizes, validate_parallel_config
-from parallelisms.dispatchers import DISPATCHERS, dispatcher_class
+from parallelisms.dispatchers import DISPATCHERS, DispatcherConfig, dispatcher_class
+from parallelisms.dispatchers.base import LayerShape, Traffic, token_ranks
+from parallelisms.links import (GPUS_PER_NODE, INTERNODE_GB_S, NVLINK_GB_S, LinkConfig, all_to_all_seconds,
+                                ring_seconds)
 from training.config import TrainConfig, validate
 
 GiB = 2**30
@@ -36,9 +39,12 @@ class PlanConfig:
     """``plan.*`` overrides of scripts/plan.py: the machine planned for."""
 
     gpus: int = 0  # world size planned for; 0: launch.nproc_per_node if set above 1, else the smallest world
-    gpus_per_node: int = 8
-    nvlink_gb_s: float = 450.0  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
-    internode_gb_s: float = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
+    gpus_per_node: int = GPUS_PER_NODE
+    nvlink_gb_s: float = NVLINK_GB_S  # per GPU and direction inside a node (H200: NVLink 4, 900 GB/s both ways)
+    internode_gb_s: float = INTERNODE_GB_S  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
+    # The all-to-all inside a node; 0: nvlink_gb_s, the link's rate (scripts/simulate.py's sim.a2a_gb_s is NCCL's
+    # calibrated rate, parallelisms/links.py)
+    a2a_gb_s: float = 0.0
     # Achievable bf16 rate on causal FLOPs: 4 layers of Qwen3-30B-A3B on one H200 (350 TFLOP/s as MFU counts them:
     # docs/results.md#other-measured-costs) without its optimizer time, and with the masked half of attention not
     # counted.
@@ -206,21 +212,20 @@ def group_ranks(s: ParallelSizes, mesh: str) -> list[int]:
     return ranks
 
 
+def machine_links(machine: PlanConfig) -> LinkConfig:
+    """The planner's machine as ``parallelisms.links`` takes it: the all-to-all inside a node at
+    ``plan.a2a_gb_s`` (0: NVLink's rate)."""
+    return LinkConfig(a2a_gb_s=machine.a2a_gb_s or machine.nvlink_gb_s, nvlink_gb_s=machine.nvlink_gb_s,
+                      internode_gb_s=machine.internode_gb_s, gpus_per_node=machine.gpus_per_node)
+
+
 def _link_seconds(kind: str, input_bytes: float, ranks: list[int], machine: PlanConfig) -> float:
-    """One call on one GPU: ring all-gather / reduce-scatter / all-reduce, or an all-to-all with balanced splits,
-    at NVLink speed inside a node and at the NIC's between nodes (the slower link bounds a ring)."""
-    P = len(ranks)
-    if P == 1:
-        return 0.0
-    nodes = {r // machine.gpus_per_node for r in ranks}
+    """One call on rank 0 of its group (``parallelisms.links``): a ring all-gather / reduce-scatter / all-reduce, or
+    an all-to-all with balanced splits (the part bound for other nodes at the NIC's rate)."""
+    links = machine_links(machine)
     if kind == "all_to_all":
-        on_node = sum(r // machine.gpus_per_node == 0 for r in ranks)
-        inside = input_bytes * (on_node - 1) / P / (machine.nvlink_gb_s * 1e9)
-        outside = input_bytes * (P - on_node) / P / (machine.internode_gb_s * 1e9)
-        return max(inside, outside)
-    sent = {"all_gather": input_bytes * (P - 1), "reduce_scatter": input_bytes * (P - 1) / P,
-            "all_reduce": 2 * input_bytes * (P - 1) / P}[kind]
-    return sent / ((machine.internode_gb_s if len(nodes) > 1 else machine.nvlink_gb_s) * 1e9)
+        return all_to_all_seconds([input_bytes / len(ranks)] * len(ranks), ranks, 0, links)
+    return ring_seconds(kind, input_bytes, ranks, links)
 
 
 # ----------------------------------------------------------------------------- communication of one step
@@ -232,11 +237,37 @@ class StepShape:
     tokens: int  # N: tokens of one micro-batch on this rank (local batch x seq_len / cp)
     micro_batches: int
     compute_bytes: int  # 2 for bf16 compute, 4 for fp32
-    checkpoint: str  # none | full | selective
+    checkpoint: str  # none | full | selective | full_keep_exchange
     dispatcher: str
     moment_bytes: int = FP32  # AdamW's two moments, each (optim.state_dtype)
     backend: str = "fsdp2"  # fsdp2 | ddp | none
     patches: int = 0  # image patches a micro-batch's vision tower runs on this rank (every cp rank: the window's)
+    dispatcher_cfg: DispatcherConfig | None = None  # the dispatcher group's keys (None: the defaults)
+    row_len: int = 0  # positions of a sequence on this rank (seq_len / cp; 0: tokens)
+    round_robin: bool = False  # model.arch.router_force_balance: the routing the simulation runs
+
+    @property
+    def exchange_forwards(self) -> int:
+        """How often each block's forward exchanges run: twice under full checkpointing (the recompute sends
+        again); once where the exchanges' outputs are kept (none, selective, full_keep_exchange)."""
+        return 2 if self.checkpoint == "full" else 1
+
+
+def layer_traffic(model: nn.Module, s: ParallelSizes, step: StepShape) -> list[Traffic]:
+    """What one rank's dispatcher sends in one MoE layer of one micro-batch (``Dispatcher.traffic``); none without
+    EP. A dispatcher that cannot count its traffic (``uncounted_traffic``) is refused by name."""
+    if s.ep == 1:
+        return []
+    dispatcher = dispatcher_class(step.dispatcher)
+    if dispatcher.uncounted_traffic:
+        counted = ", ".join(name for name, cls in sorted(DISPATCHERS.items()) if not cls.uncounted_traffic)
+        raise ValueError(f"dispatcher.name={step.dispatcher!r}: the planner counts the traffic of {counted} only "
+                         f"({step.dispatcher}'s {dispatcher.uncounted_traffic})")
+    args = model.args
+    return dispatcher.traffic(LayerShape(
+        tokens=step.tokens, top_k=args.num_experts_per_tok, num_experts=args.num_experts, ep=s.ep,
+        hidden=args.hidden_size, element_bytes=step.compute_bytes, row_len=step.row_len or step.tokens,
+        round_robin=step.round_robin, cfg=step.dispatcher_cfg or DispatcherConfig(step.dispatcher)))
 
 
 def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: ParallelSizes, step: StepShape,
@@ -265,25 +296,13 @@ def collectives(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: 
         add("all_reduce", u.replicate_mesh, u.name, 1, u.shard * FP32, False)
     _merge_units(out)
 
-    args = model.args
     layers = len(spec.named_blocks(model))  # every MoE block: an MTP head's too
-    forwards = 2 if step.checkpoint == "full" else 1  # full checkpointing runs each block's forward again
-    if s.ep > 1:
-        # What the dispatcher declares (parallelisms/dispatchers/base.py): one count exchange and four row
-        # all-to-alls per layer, each in ``chunks`` parts, where its traffic can be counted at all.
-        dispatcher = dispatcher_class(step.dispatcher)
-        if dispatcher.uncounted_traffic:
-            counted = ", ".join(name for name, cls in sorted(DISPATCHERS.items()) if not cls.uncounted_traffic)
-            raise ValueError(f"dispatcher.name={step.dispatcher!r}: the planner counts the traffic of {counted} only "
-                             f"({step.dispatcher}'s {dispatcher.uncounted_traffic})")
-        chunks = dispatcher.chunks
-        calls = layers * forwards
-        add("all_to_all", "ep", "expert counts", calls, calls * chunks * args.num_experts * INT64, True)
-        # Dispatch and combine in each forward and once more each in backward; summed over the ep ranks, the rows
-        # received equal the rows sent, tokens x top-k.
-        calls = layers * (2 * forwards + 2) * chunks
-        add("all_to_all", "ep", "routed rows", calls,
-            calls // chunks * step.tokens * args.num_experts_per_tok * args.hidden_size * b, True)
+    forwards = step.exchange_forwards
+    # What the dispatcher declares it sends per layer (parallelisms/dispatchers/base.py: traffic), in each forward
+    # and in the backward; summed over the ep ranks, the rows received equal the rows sent.
+    for t in layer_traffic(model, s, step):
+        add("all_to_all", "ep", t.what, layers * (forwards * t.forward_calls + t.backward_calls),
+            layers * (forwards * t.forward_bytes + t.backward_bytes), True)
     if s.cp > 1:
         ops = [m.cp_exchange(s.cp) for m in model.modules() if hasattr(m, "cp_exchange")]
         passes = forwards + 1  # each forward, and the backward's mirror image
@@ -349,8 +368,12 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
         return N * (elements * b + fp32 * FP32)
 
     full = [nbytes(a.none, a.none_fp32) for a in per_layer]
+    # full_keep_exchange: full's block input and what the layer's forward all-to-alls received (their outputs, the
+    # size of what it sent)
+    exchanged = sum(t.forward_bytes for t in layer_traffic(model, s, step))
     kept = {"none": full, "selective": [nbytes(a.selective, a.selective_fp32) for a in per_layer],
-            "full": [N * args.hidden_size * b for _ in per_layer]}
+            "full": [N * args.hidden_size * b for _ in per_layer],
+            "full_keep_exchange": [N * args.hidden_size * b + exchanged for _ in per_layer]}
     recompute = {mode: max(max(f - k, 0) for f, k in zip(full, layers)) for mode, layers in kept.items()}
     # An MTP head's own parts outside its block are never checkpointed; its rows double the LM head's.
     mtp = model.mtp.saved_activations() if model.mtp is not None else NO_ACTIVATIONS
@@ -461,6 +484,7 @@ def build_meta_model(cfg: TrainConfig) -> tuple[models.ModelSpec, nn.Module]:
 
 # Full checkpointing runs the forward (1 of a step's 3 parts) again: what it executes over the FLOPs it counts.
 FULL_CHECKPOINT_RECOMPUTE = 4 / 3
+RECOMPUTING_MODES = ("full", "full_keep_exchange")  # the checkpointing modes that run every block's forward again
 
 _MAX_WORLD = 1 << 16  # the largest world smallest_world tries
 
@@ -503,12 +527,13 @@ def plan(cfg: TrainConfig, machine: PlanConfig, built: tuple[models.ModelSpec, n
                      compute_bytes=FP32 if cfg.train.mixed_precision == "fp32" else 2,
                      checkpoint=cfg.parallel.activation_checkpoint, dispatcher=cfg.dispatcher.name,
                      moment_bytes=2 if cfg.optim.state_dtype == "bfloat16" else FP32,
-                     backend=cfg.parallel.backend.name,
+                     backend=cfg.parallel.backend.name, dispatcher_cfg=cfg.dispatcher,
+                     row_len=cfg.data.seq_len // s.cp, round_robin=bool(args.router_force_balance),
                      patches=vision_patches(args, cfg.train.local_batch_size * cfg.data.seq_len, machine))
     units = fsdp_units(model, spec, s, step.backend)
     comms = collectives(model, spec, units, s, step, machine)
     tokens = step.tokens * step.micro_batches
-    recompute = FULL_CHECKPOINT_RECOMPUTE if step.checkpoint == "full" else 1.0
+    recompute = FULL_CHECKPOINT_RECOMPUTE if step.checkpoint in RECOMPUTING_MODES else 1.0
     compute_s = tokens * causal_flops_per_token(args, cfg.data.seq_len) * recompute / (machine.tflops * 1e12)
     if step.patches:  # the vision tower: per patch, with attention within its image
         compute_s += (step.patches * step.micro_batches * args.vision_config.flops_per_patch(machine.image_patches)
@@ -558,6 +583,72 @@ def sweep(cfg: TrainConfig, machine: PlanConfig) -> list[tuple[TrainConfig, Plan
         except ValueError:
             continue  # a layout this model or sequence length does not allow (heads, experts)
     return sorted(plans, key=lambda c_p: (not fits(c_p[1], machine), -c_p[1].tokens_per_s_per_gpu))
+
+
+# ----------------------------------------------------------------------------- the exchange's levers
+
+def exchange_variants(cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
+    """The settings of ``cfg``'s job that change what its EP exchange sends (the layout, batch and everything else
+    kept): dispatcher fused or dedup, the dispatch in e4m3 or not, and under full checkpointing the recompute with
+    or without sending the exchanges again; each with the overrides that select it."""
+    modes = [cfg.parallel.activation_checkpoint]
+    if cfg.parallel.activation_checkpoint in RECOMPUTING_MODES:
+        modes = list(RECOMPUTING_MODES)
+    variants = []
+    for name in ("fused", "dedup"):
+        for fp8 in (False, True):
+            for mode in modes:
+                overrides = [f"dispatcher={name}", *(["dispatcher.fp8_dispatch=true"] if fp8 else []),
+                             f"parallel.activation_checkpoint={mode}"]
+                variants.append((" ".join(overrides), dataclasses.replace(
+                    cfg, dispatcher=DispatcherConfig(name, fp8_dispatch=fp8),
+                    parallel=dataclasses.replace(cfg.parallel, activation_checkpoint=mode))))
+    return variants
+
+
+def advise(cfg: TrainConfig, machine: PlanConfig) -> list[str]:
+    """Which setting of the exchange the planner would choose for this job, and why: each of
+    ``exchange_variants`` planned on ``machine`` (its all-to-all at plan.a2a_gb_s), the fastest that fits first,
+    beside the configured one. What the paper cannot count is said: domino's overlap (the emulated links measure
+    it: scripts/simulate.py), and which routing dedup's rows assume."""
+    built = build_meta_model(cfg)
+    world = machine.gpus or default_world(cfg, built)[0]
+    machine = dataclasses.replace(machine, gpus=world)
+    s = resolve_sizes(cfg.parallel, world)
+    if s.ep == 1:
+        return ["choice: no expert parallelism (parallel.ep_size=1), so no EP exchange to choose a setting for"]
+    planned = []
+    for overrides, variant in exchange_variants(cfg):
+        p = plan(variant, machine, built)
+        ep_bytes = sum(c.bytes for c in p.collectives if c.mesh == "ep") / p.sizes.world_size
+        exposed = sum(c.seconds for c in p.collectives if c.exposed)
+        planned.append((overrides, p, ep_bytes, exposed))
+    current = plan(cfg, machine, built)
+    best = max((v for v in planned if fits(v[1], machine)), key=lambda v: v[1].tokens_per_s_per_gpu, default=None)
+    args = built[1].args
+    rate = machine.a2a_gb_s or machine.nvlink_gb_s
+    lines = [f"choice for the exchange (the planner's numbers: {world} GPUs, the all-to-all at {rate:g} GB/s inside a "
+             f"node, {'round-robin' if args.router_force_balance else 'learned (uniform on average)'} routing):"]
+    if best is None:
+        return [*lines, f"  none of the exchange's settings fits {machine.capacity_gib:g} GiB at this layout: "
+                        "python scripts/plan.py <these overrides> plan.sweep=true"]
+    for overrides, p, ep_bytes, exposed in sorted(planned, key=lambda v: -v[1].tokens_per_s_per_gpu)[:4]:
+        mark = "->" if overrides == best[0] else "  "
+        lines.append(f"{mark} {overrides}: {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, EP exchange "
+                     f"{ep_bytes / GiB:,.1f} GiB per GPU per step, {exposed:.2f} s exposed, peak "
+                     f"{p.memory.peak / GiB:.1f} GiB{'' if fits(p, machine) else ' (does NOT fit)'}")
+    lines.append(f"   configured ({cfg.dispatcher.name}{', fp8 dispatch' if cfg.dispatcher.fp8_dispatch else ''}, "
+                 f"{cfg.parallel.activation_checkpoint} checkpointing): {current.tokens_per_s_per_gpu:,.0f} "
+                 f"tokens/s/GPU, peak {current.memory.peak / GiB:.1f} GiB")
+    shape = LayerShape(tokens=1, top_k=args.num_experts_per_tok, num_experts=args.num_experts, ep=s.ep,
+                       hidden=args.hidden_size, element_bytes=2, row_len=cfg.data.seq_len // s.cp,
+                       round_robin=bool(args.router_force_balance), cfg=DispatcherConfig("dedup"))
+    lines.append(f"   why: dedup sends {token_ranks(shape):.2f} rows per token, fused {args.num_experts_per_tok} (one "
+                 "per routed slot); the e4m3 dispatch sends D + 4 bytes a row for 2 D; full_keep_exchange sends no "
+                 "exchange again in the recompute and keeps what they received. Not on paper: domino's overlap of "
+                 "its halves (scripts/simulate.py sim.links=on dispatcher=domino measures it). Each is opt-in until "
+                 "measured on the GPU (docs/scaling.md)")
+    return lines
 
 
 # The share of a device's memory a run's allocated peak can reach: the rest goes to the CUDA context and the caching

@@ -6,12 +6,18 @@ checkpoints are, how far it got, whether it finished), and a start in it continu
   start time are written into the file, so a second run names it. ``lock_checkpoint_dir`` holds a checkpoint.dir
   outside the run directory the same way, its line also naming the run, which stays there as the directory's owner.
 - ``check_apart``: an output directory that is, holds or lies inside an input (model.init_from, data) is refused.
-- ``find_start``: what ``train.resume`` continues, decided from the checkpoints (under checkpoint.dir and every
-  directory the record names) and the record, before anything is rewritten:
+- ``check_run_dir``, ``check_checkpoint_dir``: a run directory is new, empty (but for what Hydra writes before
+  train.py runs) or a run of this trainer; a checkpoint.dir new, empty or one of this trainer's. Anything else (``/``,
+  a home directory, a user's folder with a config.yaml of its own) is refused before anything is written.
+- ``find_start``: what ``train.resume`` continues (after ``check_run_dir``), decided from the checkpoints (under
+  checkpoint.dir and every directory the record names that is the run's own: ``own_roots``) and the record, before
+  anything is rewritten:
   ``none`` refuses a directory that holds a run; ``auto`` takes the newest checkpoint, or (none written) the
   run's config.yaml to compare against, or a fresh start in an empty directory; a path to an older checkpoint
   of this run refuses unless ``train.discard_newer=true``; another run's checkpoint refuses a directory that holds
-  a run, or that overlaps it; a checkpoint.dir that holds another run's checkpoints refuses.
+  a run, or that overlaps it; a checkpoint.dir that holds another run's checkpoints refuses. Nothing the record
+  names outside the run directory is read or deleted unless it is checkpoint.dir or its lock names this run; a
+  checkpoint folder that is a symbolic link (to another run's) is never read or pruned.
 - ``check_not_moved``: a run's config.yaml used as the primary config of a run that would write elsewhere (the
   run was moved or copied; its absolute train.output_dir still names the old place) is refused.
 
@@ -26,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +41,8 @@ from typing import IO, Any
 from omegaconf import OmegaConf
 
 from core.files import atomic_write_text, remove, stale_temporaries
-from training.checkpoint import TRAIN_STATE, CheckpointError, damaged_message, read_train_state, step_dirs, step_of
+from training.checkpoint import (TRAIN_STATE, CheckpointError, damaged_message, linked_step_dirs, read_train_state,
+                                 step_dirs, step_of, weights_record)
 from training.metrics import METRICS_FILE, read_step_lines
 
 logger = logging.getLogger("train")
@@ -44,6 +52,9 @@ RECORD_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
 HF_DIR = "hf"
+# The first line of every config.yaml a run writes (training.startup.rerunnable_config): how a run directory of this
+# trainer is told from a folder that holds a config.yaml of its own.
+CONFIG_HEADER = "# Re-run: python train.py"
 
 
 # ------------------------------------------------------------------------------------------ the lock
@@ -95,6 +106,151 @@ def check_apart(outputs: dict[str, Path], inputs: list[tuple[str, Path]]) -> Non
                          "contains")
                 raise ValueError(f"{out_key}={out} {where} {in_key}={path} ({path.resolve()}): the run would write "
                                  f"over what it reads; choose a {out_key} apart from its inputs")
+
+
+# ------------------------------------------------------------------------------------------ what a run directory is
+def hydra_entries() -> set[str]:
+    """What Hydra writes into its run directory before train.py runs: its job's log file (``train.log``) and, where a
+    user turns it back on (conf/config.yaml turns it off), its ``.hydra/`` output subdirectory."""
+    names = {"train.log", ".hydra"}
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            hydra_cfg = HydraConfig.get()
+            names.add(f"{hydra_cfg.job.name}.log")
+            if hydra_cfg.output_subdir:
+                names.add(str(hydra_cfg.output_subdir))
+    except Exception:  # noqa: BLE001  (resolved while Hydra composes its config: what is known then)
+        pass
+    return names
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def _foreign_entries(directory: Path, tolerated: set[str], key: str) -> list[str]:
+    """The entries of ``directory`` that are not ``tolerated`` and not an empty folder (which holds nothing a run would
+    replace), a folder's name ending in ``/``."""
+    try:
+        entries = sorted(directory.iterdir())
+        foreign = []
+        for path in entries:
+            if path.name in tolerated:
+                continue
+            folder = path.is_dir() and not path.is_symlink()
+            if folder and not any(path.iterdir()):
+                continue
+            foreign.append(path.name + ("/" if folder else ""))
+    except OSError as e:
+        raise ValueError(f"{key}={directory} cannot be read ({e.strerror}: {e.filename}); choose a directory this "
+                         "user can read and write") from None
+    return foreign
+
+
+def _starts_with(path: Path, prefix: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(prefix)) == prefix.encode()
+    except OSError:
+        return False
+
+
+def _lock_line(directory: Path) -> str | None:
+    """The holder's line of ``directory``'s run.lock as ``_hold`` writes it (empty: taken, not yet written); None if
+    there is none, or it is not one of this trainer's."""
+    path = directory / LOCK_FILE
+    if not path.is_file() or path.is_symlink():
+        return None
+    try:
+        line = path.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return line if line == "" or line.startswith("pid ") else None
+
+
+def _lock_owner(directory: Path) -> str | None:
+    """The run directory a checkpoint.dir's lock names (``lock_checkpoint_dir``: its last holder's), or None."""
+    line = _lock_line(directory)
+    return line.rpartition("; run ")[2] if line and "; run " in line else None
+
+
+def run_markers(run_dir: Path, ckpt_root: Path | None = None) -> list[str]:
+    """What makes ``run_dir`` a run of this trainer: its record, its lock, a config.yaml this trainer wrote (its
+    first line), the final weights' record, a checkpoint (under ``<run_dir>/checkpoints`` or ``ckpt_root``)."""
+    found = [name for name, here in (
+        (RECORD_FILE, (run_dir / RECORD_FILE).is_file()), (LOCK_FILE, _lock_line(run_dir) is not None),
+        (CONFIG_FILE, (run_dir / CONFIG_FILE).is_file() and _starts_with(run_dir / CONFIG_FILE, CONFIG_HEADER)),
+        (weights_record(run_dir / WEIGHTS_FILE).name, weights_record(run_dir / WEIGHTS_FILE).is_file())) if here]
+    roots = [run_dir / "checkpoints", *([ckpt_root] if ckpt_root is not None else [])]
+    found += [str(steps[-1]) for steps in map(step_dirs, roots) if steps]
+    return found
+
+
+def check_run_dir(run_dir: Path, ckpt_root: Path | None = None) -> None:
+    """Read-only: ``run_dir`` (train.output_dir) is new, empty but for what Hydra writes before train.py runs
+    (``hydra_entries``) and empty folders, or a run of this trainer (``run_markers``); anything else is refused (a
+    run writes config.yaml, metrics.jsonl, its weights and checkpoints there, replacing files of those names)."""
+    if not run_dir.is_dir():
+        return  # new (a file is refused by training.startup.run_path)
+    foreign = _foreign_entries(run_dir, hydra_entries(), "train.output_dir")
+    if foreign and not run_markers(run_dir, ckpt_root):
+        raise ValueError(f"train.output_dir={run_dir} is neither empty nor a run directory of this trainer: it holds "
+                         f"{_listed(foreign)} and no run of train.py ({RECORD_FILE}, a {CONFIG_FILE} written by "
+                         "train.py, a checkpoint); a run writes config.yaml, metrics.jsonl, its weights and "
+                         "checkpoints there, over files of those names: choose a new or empty train.output_dir")
+
+
+_CHECKPOINT_NAME = re.compile(r"^(\.tmp-)?step_\d+")  # a save's folder, its temporary, one moved aside (.damaged)
+
+
+def check_checkpoint_dir(ckpt_root: Path, run_dir: Path) -> None:
+    """Read-only: a checkpoint.dir set explicitly is new, empty, or a checkpoint directory of this trainer (it holds
+    checkpoint folders or a run's lock; the run directory itself, or the way to it where it lies inside, aside):
+    a run prunes and resumes what it finds there."""
+    if not ckpt_root.is_dir() or ckpt_root.resolve() == run_dir.resolve():
+        return
+    foreign = [name for name in _foreign_entries(ckpt_root, set(), "checkpoint.dir")
+               if outside(run_dir, ckpt_root / name.rstrip("/"))]
+    ours = _lock_line(ckpt_root) is not None or any(_CHECKPOINT_NAME.match(p.name) for p in ckpt_root.iterdir())
+    if foreign and not ours:
+        raise ValueError(f"checkpoint.dir={ckpt_root} is neither empty nor a checkpoint directory of this trainer: it "
+                         f"holds {_listed(foreign)} and no checkpoint (step_N) or {LOCK_FILE} of a run; a run writes, "
+                         "prunes and resumes checkpoints there: choose a new or empty checkpoint.dir")
+
+
+def checkpoint_area(path: Path) -> Path | None:
+    """The checkpoint directory (or checkpoint) that ``path`` is or lies inside, if any: a folder named like a
+    checkpoint, one that holds checkpoints or a checkpoint.dir's lock, a run's ``checkpoints/``. What a run resumes
+    from and prunes there is its own: an export written into it would be taken for a damaged checkpoint."""
+    resolved = path.resolve()
+    for folder in (resolved, *resolved.parents):
+        if (step_of(folder) is not None or step_of(Path(folder.name.removeprefix(".tmp-"))) is not None
+                or step_dirs(folder) or _lock_owner(folder) is not None
+                or (folder.name == "checkpoints" and run_markers(folder.parent))):
+            return folder
+    return None
+
+
+def own_roots(record: RunRecord | None, run_dir: Path, ckpt_root: Path) -> list[Path]:
+    """The checkpoint directories ``record`` names that are this run's to read (and prune): inside the run directory
+    (symlinks resolved), checkpoint.dir itself, or one whose lock names this run (``lock_checkpoint_dir``). Any other
+    (an edited record's ``../../victim``, a copied run's original's) is said and left alone."""
+    if record is None:
+        return []
+    mine, roots = str(run_dir.resolve()), []
+    for root in record.roots(run_dir):
+        if not outside(root, run_dir) or root.resolve() == ckpt_root.resolve() or _lock_owner(root) == mine:
+            roots.append(root)
+        else:
+            owner = _lock_owner(root)
+            logger.warning("%s names the checkpoint directory %s (%s), outside the run directory, neither "
+                           "checkpoint.dir nor held by this run (%s): not read. If it holds this run's checkpoints, "
+                           "set checkpoint.dir=%s", run_dir / RECORD_FILE, root, root.resolve(),
+                           f"its {LOCK_FILE} names the run in {owner}" if owner else f"it has no {LOCK_FILE}",
+                           root.resolve())
+    return roots
 
 
 # ------------------------------------------------------------------------------------------ the record
@@ -207,7 +363,11 @@ def find_start(resume: str, discard_newer: bool, ckpt_root: Path, run_dir: Path)
     (CheckpointError) rather than guess."""
     record = read_record(run_dir)
     _check_checkpoint_dir(ckpt_root, run_dir, record)
-    roots = list(dict.fromkeys([ckpt_root, *(record.roots(run_dir) if record else [])]))
+    roots = list(dict.fromkeys([ckpt_root, *own_roots(record, run_dir, ckpt_root)]))
+    for link in (link for root in roots for link in linked_step_dirs(root)):
+        logger.warning("%s is a symbolic link (to %s), and a checkpoint of this run is a folder: not read. To start "
+                       "from that checkpoint, set train.resume=%s in a new train.output_dir", link,
+                       link.resolve(), link.resolve())
     found = sorted((d for root in roots for d in step_dirs(root)), key=step_of)
     logged = _logged_steps(run_dir)
     # What counts as a run: a start that failed before its first step (a record at step 0, an empty
@@ -216,15 +376,18 @@ def find_start(resume: str, discard_newer: bool, ckpt_root: Path, run_dir: Path)
     previous = [str(p) for p in (*([run_dir / RECORD_FILE] if trained else []), *found)]
     previous += [str(run_dir / METRICS_FILE)] if logged else []
     if resume == "none":
+        check_run_dir(run_dir, ckpt_root)
         if previous:
             raise CheckpointError(f"{run_dir} already holds a run ({', '.join(previous[:3])}); continue it with "
                                   "train.resume=auto, or start afresh in another train.output_dir")
         return Start()
     if resume == "auto":
+        check_run_dir(run_dir, ckpt_root)
         if found:
             newest = found[-1]
             if not (newest / TRAIN_STATE).is_file():
                 raise CheckpointError(damaged_message(newest, f"it has no {TRAIN_STATE}"))
+            _check_no_links_out(newest)
             if newest.parent.resolve() != ckpt_root.resolve():
                 logger.info("train.resume=auto: the run's newest checkpoint is %s (under a checkpoint directory "
                             "its record names, not checkpoint.dir=%s)", newest, ckpt_root)
@@ -243,7 +406,10 @@ def find_start(resume: str, discard_newer: bool, ckpt_root: Path, run_dir: Path)
     state = read_train_state(path)
     if path.resolve().parent not in {r.resolve() for r in roots}:  # another run's checkpoint: this run starts from it
         _check_other_runs_checkpoint(path, state, run_dir, previous)
+        check_run_dir(run_dir, ckpt_root)
         return Start(checkpoint=path, state=state, record=record)
+    check_run_dir(run_dir, ckpt_root)
+    _check_no_links_out(path)
     return Start(checkpoint=path, state=state, record=record,
                  discard=_newer_than(path, state["step"], found, logged, run_dir, record, discard_newer))
 
@@ -251,16 +417,25 @@ def find_start(resume: str, discard_newer: bool, ckpt_root: Path, run_dir: Path)
 def _check_checkpoint_dir(ckpt_root: Path, run_dir: Path, record: RunRecord | None) -> None:
     """A checkpoint.dir outside the run directory that holds checkpoints its record does not name is another
     run's: this run's saves would prune them and a resume=auto take them for its own."""
-    if not outside(ckpt_root, run_dir) or (record is not None and ckpt_root.resolve() in
-                                           {r.resolve() for r in record.roots(run_dir)}):
-        return
-    holder = (ckpt_root / LOCK_FILE).read_text().strip() if (ckpt_root / LOCK_FILE).is_file() else ""
-    owner = holder.rpartition("; run ")[2] if "; run " in holder else None  # lock_checkpoint_dir's last holder
+    owner = _lock_owner(ckpt_root)  # lock_checkpoint_dir's last holder
+    named = record is not None and ckpt_root.resolve() in {r.resolve() for r in record.roots(run_dir)}
+    if not outside(ckpt_root, run_dir) or (named and owner in (None, str(run_dir.resolve()))):
+        return  # the record's word counts only where no other run's lock says otherwise
     found = step_dirs(ckpt_root)
     if found and owner != str(run_dir.resolve()):
         whose = f"the run in {owner}" if owner else ", ".join(str(p) for p in found[:3])
         raise CheckpointError(f"checkpoint.dir={ckpt_root} holds another run's checkpoints ({whose}); this run would "
                               "prune them and resume from them as its own: choose another checkpoint.dir")
+
+
+def _check_no_links_out(checkpoint: Path) -> None:
+    """A checkpoint of this run holds the files its save wrote: a symbolic link in it to a file elsewhere (another
+    run's) is refused."""
+    links = [p for p in checkpoint.iterdir() if p.is_symlink() and outside(p, checkpoint)]
+    if links:
+        link = links[0]
+        raise CheckpointError(damaged_message(checkpoint, f"{link.name} is a symbolic link to {link.resolve()}, "
+                                                          "outside it (a save writes its own files)"))
 
 
 def _check_other_runs_checkpoint(path: Path, state: dict[str, Any], run_dir: Path, previous: list[str]) -> None:

@@ -34,8 +34,8 @@ from training.data.hf_tokenizer import check_export_requirements, run_tokenizer
 from training.launch import LaunchConfig, one_line_errors
 from training.metrics import MetricLogger
 from training.planner import fit_warnings
-from training.run_dir import (RunDir, Start, check_apart, check_not_moved, find_start, lock_checkpoint_dir, lock_run_dir,
-                              outside)
+from training.run_dir import (CONFIG_HEADER, RunDir, Start, check_apart, check_checkpoint_dir, check_not_moved,
+                              check_run_dir, find_start, lock_checkpoint_dir, lock_run_dir, outside)
 from training.run_logs import run_logs
 from training.train_state import upgrade_config
 
@@ -153,8 +153,12 @@ def plan_run(cfg: TrainConfig, world: World) -> RunPlan:
     validate(cfg)  # bad input is one line before anything else
     run_dir = run_path(cfg)
     ckpt_root = checkpoint_root(cfg, run_dir)
-    start = find_start(cfg.train.resume, cfg.train.discard_newer, ckpt_root, run_dir)
     check_outputs_apart(cfg, run_dir)
+    if cfg.checkpoint.export_hf_at_end and cfg.train.output_dir is not None:
+        check_export_dir(run_dir / "hf")  # before the run directory's own check (find_start): the precise refusal
+    start = find_start(cfg.train.resume, cfg.train.discard_newer, ckpt_root, run_dir)  # the run directory checked
+    if cfg.checkpoint.dir:
+        check_checkpoint_dir(ckpt_root, run_dir)
     spec, model_args, tokenizer = check_config(cfg, world.size, start.resumed_config)
     run_config, resolved = recorded_config(cfg, spec, model_args, tokenizer)
     dp = parallelisms.resolve_sizes(cfg.parallel, world.size).dp
@@ -180,6 +184,7 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
     parallelisms.validate_parallel_config(cfg.parallel, world_size, model_args.num_experts,
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
+    check_mtp_trains(model_args, cfg.data.seq_len)
     return spec, model_args, tokenizer
 
 
@@ -192,8 +197,12 @@ def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
     hf_config = read_hf_config(m.init_from)
     if m.name == "hf":  # model.arch keys given as well (a training knob: mtp_loss_weight) apply over config.json's
         model_type, args = args_from_hf_config(hf_config, m.vision)
-        if m.arch:
-            args = models.build_args(model_type, {**dataclasses.asdict(args), **m.arch}, m.vision)
+        if m.model_type is not None and m.model_type != model_type:
+            raise ValueError(f"model.model_type={m.model_type} with model=hf, whose model_type is config.json's: "
+                             f"{m.init_from}/config.json is {model_type}; leave model.model_type unset (null)")
+        given = models.arch_given(m.arch)
+        if given:
+            args = models.build_args(model_type, {**dataclasses.asdict(args), **given}, m.vision)
         return models.get_spec(model_type), args
     # The text models compared (a tower that differs is refused by name when its weights load)
     for line in preset_differences(models.build_args(m.model_type, dict(m.arch)), hf_config):
@@ -202,13 +211,21 @@ def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:
 
 
 def as_resumed(cfg: TrainConfig, resumed: dict[str, Any] | None) -> TrainConfig:
-    """A resume of a model.init_from run builds the architecture and tokenizer its checkpoint records: the
-    checkpoint alone holds the weights, and init_from may be gone. (The config check then compares the rest.)"""
+    """A resume of a model.init_from run builds its model without init_from (the checkpoint alone holds the weights,
+    and init_from may be gone): a preset as on a fresh start; model=hf the architecture its checkpoint records (which
+    config.json gave), with every model.arch key given now applied over it, and its model_type and tokenizer unless
+    given. What this builds is then compared with the checkpoint's config (``check_resumed_config``): a change is
+    listed, or refused unless train.allow_changes names it, as for any other key."""
     saved = (resumed or {}).get("model", {})
-    if cfg.model.init_from is None or not saved.get("model_type"):
+    m = cfg.model
+    if m.init_from is None or not saved.get("model_type"):
         return cfg
+    tokenizer = saved["tokenizer"] if m.tokenizer == "auto" else m.tokenizer  # auto: init_from's, as resolved then
+    if m.name != "hf":
+        return dataclasses.replace(cfg, model=dataclasses.replace(m, init_from=None, tokenizer=tokenizer))
     return dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, init_from=None, model_type=saved["model_type"], tokenizer=saved["tokenizer"], arch=saved["arch"]))
+        m, init_from=None, model_type=m.model_type or saved["model_type"], tokenizer=tokenizer,
+        arch={**saved["arch"], **models.arch_given(m.arch)}))
 
 
 def check_balanced_routing(args: Any, cp: int, seq_len: int) -> None:
@@ -222,6 +239,16 @@ def check_balanced_routing(args: Any, cp: int, seq_len: int) -> None:
                          f"model.arch.num_experts_per_tok={K} must be a multiple of model.arch.num_experts={E} for "
                          f"the ranks to route as one process; fix: data.seq_len a multiple of "
                          f"{cp * E // math.gcd(E, K)}")
+
+
+def check_mtp_trains(args: Any, seq_len: int) -> None:
+    """The MTP head predicts token t+2 at position t of a window of seq_len + 1 tokens: a window of seq_len 1 has no
+    such pair, so the head would train on nothing (its loss 0 at every step)."""
+    weight = getattr(args, "mtp_loss_weight", 0.0)
+    if weight > 0 and seq_len < 2:
+        raise ValueError(f"model.arch.mtp_loss_weight={weight} trains the MTP head on token t+2 of each position, and "
+                         f"data.seq_len={seq_len} windows ({seq_len + 1} tokens) hold no such pair: the head would "
+                         "train on nothing; set data.seq_len >= 2, or model.arch.mtp_loss_weight=0")
 
 
 def check_outputs_apart(cfg: TrainConfig | DictConfig, run_dir: Path) -> None:
@@ -281,7 +308,7 @@ def rerunnable_config(run_config: dict[str, Any]) -> str:
     config`` trains the same run again (in a new train.output_dir, or continued with train.resume=auto)."""
     hydra_section = OmegaConf.load(REPO / "conf" / "config.yaml").hydra
     rerun = OmegaConf.create({"defaults": ["schema", "_self_"], **run_config, "hydra": hydra_section})
-    return ("# Re-run: python train.py --config-path <absolute path of this directory> --config-name config "
+    return (f"{CONFIG_HEADER} --config-path <absolute path of this directory> --config-name config "
             "[train.output_dir=<new dir> | train.resume=auto]\n" + OmegaConf.to_yaml(rerun))
 
 
@@ -350,7 +377,7 @@ def startup_warnings(plan: RunPlan, model: torch.nn.Module, run_dir: RunDir, wor
     """Settings that are valid but probably not meant, too little disk for what the run saves, and a layout the
     planner does not see fit this device's memory: one line each."""
     cfg = plan.cfg
-    return (config_warnings(cfg) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root))
+    return (config_warnings(plan.resolved) + space_warnings(save_needs(cfg, model, run_dir.path, run_dir.ckpt_root))
             + fit_warnings(plan.resolved, world_size, device.capacity_gib(plan.dev_type)))
 
 
@@ -377,16 +404,43 @@ def job_config(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def check_primary_yaml(argv: list[str], script_dir: Path = REPO) -> None:
+    """The primary config a command line names (``--config-path DIR --config-name NAME``: a run's config.yaml),
+    read as Hydra will read it, before Hydra does: YAML it cannot read (a syntax error, a ``!!python`` tag, which
+    OmegaConf's safe loader never constructs) is one line (``training.launch.one_line_errors``), not Hydra's
+    traceback. A relative DIR is Hydra's: relative to the script's directory."""
+
+    def option(*names: str) -> str | None:  # Hydra's spellings: --config-path DIR, --config-path=DIR, -cp DIR
+        for i, arg in enumerate(argv):
+            for name in names:
+                if arg == name and i + 1 < len(argv):
+                    return argv[i + 1]
+                if arg.startswith(name + "="):
+                    return arg[len(name) + 1:]
+        return None
+
+    config_path, config_name = option("--config-path", "-cp"), option("--config-name", "-cn")
+    if config_path is None or config_name is None or config_path.startswith("pkg://"):
+        return
+    name = config_name if config_name.endswith((".yaml", ".yml")) else config_name + ".yaml"
+    path = script_dir / config_path / name
+    if path.is_file():
+        OmegaConf.load(path)
+
+
 def primary_config(hydra_cfg) -> tuple[str, str]:
     """The primary config's directory (conf/ or a run directory) and name."""
     primary = next(s for s in hydra_cfg.runtime.config_sources if s.provider == "main")
     return primary.path.removeprefix("file://"), hydra_cfg.job.config_name
 
 
-def hydra_run_dir_of(output_dir: str | None, default: str, _root_: DictConfig | None = None) -> str:
-    """conf/config.yaml's Hydra run (and sweep) directory: train.output_dir when set, else ``default``. Checked
+def hydra_run_dir_of(output_dir: str | None, default: str, kind: str = "run", _root_: DictConfig | None = None
+                     ) -> str:
+    """conf/config.yaml's Hydra run (and, ``kind`` sweep, sweep) directory: train.output_dir when set, else
+    ``default``. Checked
     here, before Hydra makes it and its log file (one line, not Hydra's traceback): a file there, a directory over
-    an input (``_root_``: the whole config), and a run's config.yaml re-run from a directory its train.output_dir no
+    an input (``_root_``: the whole config), a directory that is neither empty nor a run (``check_run_dir``; not a
+    sweep's, which holds its jobs), and a run's config.yaml re-run from a directory its train.output_dir no
     longer names (it would start a run at the old place)."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -395,6 +449,8 @@ def hydra_run_dir_of(output_dir: str | None, default: str, _root_: DictConfig | 
             raise ValueError(f"train.output_dir={output_dir} is a file, not a directory; name a directory")
         if output_dir is not None and _root_ is not None:
             check_outputs_apart(_root_, Path(output_dir))
+        if output_dir is not None and kind != "sweep":  # a sweep's directory holds its jobs' (plan_run checks each)
+            check_run_dir(Path(output_dir))
         if HydraConfig.initialized():
             hydra_cfg = HydraConfig.get()
             given = any(o.lstrip("+~").split("=")[0] == "train.output_dir" for o in hydra_cfg.overrides.task)

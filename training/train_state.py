@@ -61,6 +61,21 @@ class Progress:
         self.tokens_total = state
 
 
+class InitFrom:
+    """What the run loaded from model.init_from (``models.hf_io.record_source``: a digest of the files and untrained
+    tensors its export carries from there), kept from the first start through every checkpoint, so that an export
+    refuses a source changed since. None: no model.init_from, or a checkpoint written before it was recorded."""
+
+    def __init__(self, loaded: dict[str, Any] | None) -> None:
+        self.loaded = loaded
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.loaded
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.loaded = state
+
+
 class TrainState:
     """``components``: key in train_state.json -> its Stateful; ``recorded``: what is saved for start-up to compare
     (the run's config and global batch), not loaded."""
@@ -78,19 +93,20 @@ class TrainState:
 
 
 def run_state(schedule: Schedule, loader: Any, progress: Progress, dev_type: str, allow_changes: list[str],
-              source: str, run_config: dict[str, Any], global_batch: int) -> TrainState:
-    """The trainer's state: the schedule, the data position, the random generators and the tokens trained;
-    ``source``: the checkpoint a resume loads (named in its refusals)."""
+              source: str, run_config: dict[str, Any], global_batch: int, init_from: InitFrom | None = None
+              ) -> TrainState:
+    """The trainer's state: the schedule, the data position, the random generators, the tokens trained and what the
+    run loaded from model.init_from; ``source``: the checkpoint a resume loads (named in its refusals)."""
     return TrainState({"scheduler": schedule, "loader": LoaderState(loader, allow_changes, source),
-                       "rng": RngState(dev_type), "tokens_total": progress},
+                       "rng": RngState(dev_type), "tokens_total": progress, "init_from": init_from or InitFrom(None)},
                       {"config": run_config, "global_batch_size": global_batch})
 
 
 # ------------------------------------------------------------------------------------------ older checkpoints
 def upgrade_state(state: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
     """A checkpoint's train state with the keys added since older versions wrote it: tokens_total (recorded since
-    issue 21; those runs trained every step at this batch)."""
-    return {"tokens_total": state["step"] * tokens_per_step, **state}
+    issue 21; those runs trained every step at this batch), init_from (since issue 63: not recorded)."""
+    return {"tokens_total": state["step"] * tokens_per_step, "init_from": None, **state}
 
 
 def upgrade_config(saved: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def _materialised(t: torch.Tensor) -> torch.Tensor:
     ``AsyncCollectiveTensor``s, and so does ``.to()`` to the same dtype). A Triton kernel reads ``data_ptr()``
     without going through torch dispatch, so it would neither wait for the all-to-all nor see real storage (an
     ``AsyncCollectiveTensor`` is a wrapper subclass)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from core.torch_compat import AsyncCollectiveTensor
 
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 

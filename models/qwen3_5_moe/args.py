@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from models.args import MoeArgs
+from models.args import MoeArgs, knob
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh",)  # the blocks' MLP activation (the merger's is the exact GELU)
@@ -124,7 +124,7 @@ class Qwen3_5MoeArgs(MoeArgs):
     # The multi-token-prediction head of the published checkpoints (``mtp.*``: one full-attention block predicting
     # token t+2): trained with its cross-entropy added at this weight; 0: the model has no head (a checkpoint's is
     # carried to the export untouched). Training-only: not in config.json.
-    mtp_loss_weight: float = 0.0
+    mtp_loss_weight: float = knob(0.0)
     # The vision tower, where the model has one (None: the text model alone). A run builds it only with
     # model.vision=true (training.startup); its parameters are not counted in param_counts / flops_per_token, which
     # are per text token.

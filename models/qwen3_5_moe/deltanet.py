@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.torch_compat import view_base
 from kernels.linear_attention.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from kernels.linear_attention.short_conv import causal_conv1d_silu
 from models.footprint import LayerActivations, SequenceExchange
@@ -33,12 +34,12 @@ def tiled_base(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     concatenation instead.)"""
     if torch.compiler.is_compiling():
         return None
-    base = parts[0]._base
+    base = view_base(parts[0])
     if base is None or not base.is_contiguous() or base.dim() != 3:
         return None
     offset = base.storage_offset()
     for part in parts:
-        if part._base is not base or part.storage_offset() != offset or part.stride()[:2] != base.stride()[:2] \
+        if view_base(part) is not base or part.storage_offset() != offset or part.stride()[:2] != base.stride()[:2] \
                 or not part[0, 0].is_contiguous():
             return None
         offset += part[0, 0].numel()

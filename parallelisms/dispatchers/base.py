@@ -9,7 +9,7 @@ The tests check that the two sets agree.
 What the other layers need of a dispatcher it declares on its class, so that nothing outside this package names
 one: its traits (``chunks``, ``extra_saved_rows`` and ``uncounted_traffic`` for the planner, training/planner.py;
 ``unsimulated`` for the loopback simulation's checks, training.launch.simulation_errors; ``drops_rows`` for the
-trainer), whose defaults describe fused (the M routed rows each way in one exchange, nothing kept beyond what
+trainer; ``traffic``, what one layer sends, for the planner), whose defaults describe fused (the M routed rows each way in one exchange, nothing kept beyond what
 every dispatcher keeps, any simulation), the keys of the ``dispatcher`` config group it reads (``config_keys``,
 their values checked by its ``validate_config``; ``validate_dispatcher_config`` refuses any other key set away
 from its default) and the layouts it can run (``check_layout``, called by parallelize).
@@ -21,7 +21,9 @@ p holds experts [p*G, (p+1)*G)), K experts per token, M = N * K routed rows, D h
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, ClassVar, TypeVar
 
 import torch
@@ -30,6 +32,67 @@ import torch.distributed as dist
 from models.moe import ExpertWeights
 from parallelisms.dispatchers.common import group_device_type, local_weights
 from parallelisms.dispatchers.config import DispatcherConfig
+
+
+INT64 = 8
+FP8_ROW_EXTRA = 4  # an e4m3 row's fp32 scale, sent with it (dispatcher.fp8_dispatch)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One MoE layer on one rank for one micro-batch, as the planner counts a dispatcher's traffic."""
+
+    tokens: int  # N
+    top_k: int  # K
+    num_experts: int  # E
+    ep: int  # P
+    hidden: int  # D
+    element_bytes: int  # of a routed row's element and of a router weight: the compute dtype's (2 bf16, 4 fp32)
+    row_len: int  # positions of a sequence (round-robin routing goes by position)
+    round_robin: bool  # model.arch.router_force_balance (the simulation's routing); else learned, uniform on average
+    cfg: DispatcherConfig
+
+    @property
+    def routed_row_bytes(self) -> int:
+        """The M = N x K routed rows of the compute dtype."""
+        return self.tokens * self.top_k * self.hidden * self.element_bytes
+
+    def dispatched_row_bytes(self, rows: int) -> int:
+        """``rows`` rows as the forward's dispatch sends them: e4m3 with their scales under dispatcher.fp8_dispatch,
+        else the compute dtype."""
+        if self.cfg.fp8_dispatch:
+            return rows * (self.hidden + FP8_ROW_EXTRA)
+        return rows * self.hidden * self.element_bytes
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of a layer's all-to-alls on one rank: the calls and the bytes sent (each call's input, what the
+    rank keeps included) in each forward of the layer (full checkpointing runs two) and in its backward."""
+
+    what: str
+    forward_calls: int
+    forward_bytes: int
+    backward_calls: int = 0
+    backward_bytes: int = 0
+
+
+def token_ranks(shape: LayerShape) -> float:
+    """The mean number of ep ranks a token's K experts sit on (a rank holds experts [p G, (p + 1) G)): for
+    round-robin routing (``models.moe.round_robin_experts``: slot k of the token at position t goes to expert
+    (t K + k) mod E) exactly, over the positions of a sequence; for learned routing the expectation under uniform
+    top-K (K distinct experts of E, any K equally likely): P (1 - C(E - G, K) / C(E, K))."""
+    E, K, P, T = shape.num_experts, shape.top_k, shape.ep, shape.row_len
+    G = E // P
+    if not shape.round_robin:
+        return P * (1 - math.comb(E - G, K) / math.comb(E, K))
+    period = E // math.gcd(K, E)  # t K mod E repeats with this period in t
+
+    def ranks(t: int) -> int:
+        return len({(t * K + k) % E // G for k in range(K)})
+
+    full, rest = divmod(T, period)
+    return (full * sum(ranks(t) for t in range(period)) + sum(ranks(t) for t in range(rest))) / T
 
 
 class Dispatcher(ABC):
@@ -61,6 +124,16 @@ class Dispatcher(ABC):
     # Why the loopback simulation (launch.simulate_world, parallelisms/loopback.py) cannot stand in for its
     # exchange, completing "dispatcher=<name> ...", or "" where it can; such a simulation is refused.
     unsimulated: ClassVar[str] = ""
+
+    @classmethod
+    def traffic(cls, shape: LayerShape) -> list[Traffic]:
+        """What one rank sends in one MoE layer (``Traffic``), for the planner: by default fused's, in ``chunks``
+        parts. Forward: one count exchange of chunks x E counts, the M routed rows out (``dispatch``: in e4m3 under
+        dispatcher.fp8_dispatch) and back (the combine); backward: the combine's gradient out, the dispatch's
+        gradient back, in the compute dtype. Called only where ``uncounted_traffic`` is empty."""
+        M, rows = shape.tokens * shape.top_k, shape.routed_row_bytes
+        return [Traffic("expert counts", 1, cls.chunks * shape.num_experts * INT64),
+                Traffic("routed rows", 2 * cls.chunks, shape.dispatched_row_bytes(M) + rows, 2 * cls.chunks, 2 * rows)]
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         """``group``: the ep process group (P ranks). ``num_experts``: E, all experts of the layer.

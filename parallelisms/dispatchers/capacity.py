@@ -35,13 +35,13 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from core import device
+from core.torch_compat import all_to_all_single, all_to_all_single_autograd
 from kernels.moe.permute import gather_sum, inverse_permutation, unpermute
 from models.moe import ExpertWeights, expert_counts
 from parallelisms.dispatchers import local_ops
-from parallelisms.dispatchers.base import Dispatcher, register
+from parallelisms.dispatchers.base import INT64, Dispatcher, LayerShape, Traffic, register
 from parallelisms.dispatchers.config import DispatcherConfig
 
 
@@ -68,8 +68,16 @@ class _ToSlots(torch.autograd.Function):
 class CapacityDispatcher(Dispatcher):
     config_keys = ("capacity_factor",)
     drops_rows = True
-    uncounted_traffic = ("is its static buffer, ceil(dispatcher.capacity_factor x tokens x top_k / ep) rows per peer "
-                         "each way with the padding, not the tokens x top_k routed rows")
+
+    @classmethod
+    def traffic(cls, shape: LayerShape) -> list[Traffic]:
+        """Its static buffer, whatever the routing: S = P x C rows each way with the padding (C =
+        min(ceil(capacity_factor x N x K / P), N x K)), and one count exchange of P x (G + 1) counts."""
+        P, N, K = shape.ep, shape.tokens, shape.top_k
+        S = P * min(math.ceil(shape.cfg.capacity_factor * N * K / P), N * K)
+        rows = S * shape.hidden * shape.element_bytes
+        return [Traffic("expert counts", 1, (shape.num_experts + P) * INT64),
+                Traffic("routed rows", 2, 2 * rows, 2, 2 * rows)]
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         super().__init__(group, num_experts, device_type)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.tensor import DTensor
 
+from core.torch_compat import all_to_all_single
 from models.moe import ExpertWeights
 
 

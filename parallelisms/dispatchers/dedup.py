@@ -9,7 +9,8 @@ as rows.
 Per layer:
 source       routing per sent row: K local expert ids (sentinel G where slot k's expert sits elsewhere) and
              K router weights (0 there); one count exchange (rows per rank, slots per (rank, local expert)),
-             the one host sync; all-to-all x [S, D], weights [S, K] (autograd) and ids [S, K].
+             the one host sync; all-to-all x [S, D] (in e4m3 under dispatcher.fp8_dispatch), weights [S, K]
+             (autograd) and ids [S, K].
 destination  the U valid slots gathered in local-expert order, grouped GEMM, then each row's K slots
              weighted and summed (``kernels.moe.permute.unpermute``; masked slots weigh 0); all-to-all back [R, D].
 source       the <= P rows of each token summed.
@@ -24,13 +25,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
+from core.torch_compat import all_to_all_single, all_to_all_single_autograd
 from kernels.moe.permute import gather_sum, inverse_permutation, unpermute
 from models.moe import ExpertWeights, expert_counts
 from parallelisms.dispatchers import local_ops
-from parallelisms.dispatchers.base import Dispatcher, register
+from parallelisms.dispatchers.base import INT64, Dispatcher, LayerShape, Traffic, register, token_ranks
 from parallelisms.dispatchers.common import exchange_counts, group_device_type
+from parallelisms.dispatchers.config import DispatcherConfig
+from parallelisms.dispatchers.fp8 import fp8_all_to_all, fp8_configured
 
 NOT_ON_NPU = "dispatcher=dedup runs on CUDA/CPU; on NPU use fused or mc2"
 
@@ -94,7 +97,23 @@ class _SlotRows(torch.autograd.Function):
 
 @register("dedup")
 class DedupDispatcher(Dispatcher):
-    uncounted_traffic = "depends on routing"  # one row per (token, rank holding any of its experts)
+    config_keys = ("fp8_dispatch",)
+    fp8 = False  # dispatcher.fp8_dispatch (configure)
+
+    def configure(self, cfg: DispatcherConfig) -> None:
+        self.fp8 = fp8_configured(cfg, self.device_type)
+
+    @classmethod
+    def traffic(cls, shape: LayerShape) -> list[Traffic]:
+        """S rows a rank sends, one per (token, rank holding any of its experts): N x ``token_ranks`` (exact for
+        round-robin routing, the expectation for learned). Forward: both counts in one exchange (2 E), the rows
+        (e4m3 under dispatcher.fp8_dispatch), their K router weights and K local ids, the pre-reduced rows back;
+        backward: the rows' gradient out, the rows' and the weights' gradients back."""
+        S = round(shape.tokens * token_ranks(shape))
+        D, K, b = shape.hidden, shape.top_k, shape.element_bytes
+        return [Traffic("expert counts", 1, 2 * shape.num_experts * INT64),
+                Traffic("token rows", 2, shape.dispatched_row_bytes(S) + S * D * b, 2, 2 * S * D * b),
+                Traffic("router weights and ids", 2, S * K * (b + INT64), 1, S * K * b)]
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int, device_type: str | None = None) -> None:
         # torch_npu's permute / unpermute take a fixed K rows per token; the rows here have 1..K valid slots.
@@ -128,8 +147,8 @@ class DedupDispatcher(Dispatcher):
         # any order, so index_select's index_add backward stays deterministic here.
         w_SK = torch.where(here_SK, weights_NK.index_select(0, token_S), 0)
 
-        x_RD = all_to_all_single_autograd(_TokenRows.apply(x_ND, token_S, rows.send), rows.recv, rows.send,
-                                          self.group)
+        x_RD = (fp8_all_to_all if self.fp8 else all_to_all_single_autograd)(
+            _TokenRows.apply(x_ND, token_S, rows.send), rows.recv, rows.send, self.group)
         w_RK = all_to_all_single_autograd(w_SK, rows.recv, rows.send, self.group)
         ids_RK = all_to_all_single(ids_SK, rows.recv, rows.send, self.group)
 

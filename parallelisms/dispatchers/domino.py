@@ -22,13 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core.torch_compat import C10D_FUNCTIONAL
 from models.moe import ExpertWeights
 from parallelisms.dispatchers import local_ops
 from parallelisms.dispatchers.base import Dispatcher, register
 from parallelisms.dispatchers.common import exchange_counts
+from parallelisms.dispatchers.config import DispatcherConfig
+from parallelisms.dispatchers.fp8 import Fp8InFlight, fp8_configured
 
-_all_to_all = torch.ops._c10d_functional.all_to_all_single
-_wait = torch.ops._c10d_functional.wait_tensor
+_all_to_all = C10D_FUNCTIONAL.all_to_all_single
+_wait = C10D_FUNCTIONAL.wait_tensor
 
 
 @dataclass
@@ -81,6 +84,11 @@ class _InFlight:
 @register("domino")
 class DominoDispatcher(Dispatcher):
     chunks = 2
+    config_keys = ("fp8_dispatch",)
+    fp8 = False  # dispatcher.fp8_dispatch (configure): each half's dispatch in e4m3
+
+    def configure(self, cfg: DispatcherConfig) -> None:
+        self.fp8 = fp8_configured(cfg, self.device_type)
 
     def dispatch(self, experts: ExpertWeights, x_ND: torch.Tensor, experts_NK: torch.Tensor,
                  weights_NK: torch.Tensor) -> torch.Tensor:
@@ -90,7 +98,8 @@ class DominoDispatcher(Dispatcher):
                                                                               experts_NK.split(halves))]
         splits = exchange_counts(torch.stack([counts_E for _, counts_E, _ in permuted]), self.group, self.num_local)
 
-        dispatched = [_InFlight(x_MD, s.recv, s.send, self.group) for (x_MD, _, _), s in zip(permuted, splits)]
+        in_flight = Fp8InFlight if self.fp8 else _InFlight
+        dispatched = [in_flight(x_MD, s.recv, s.send, self.group) for (x_MD, _, _), s in zip(permuted, splits)]
         combined = []
         for flight, s in zip(dispatched, splits):
             y_RD = local_ops.run_local_experts(experts, flight.wait(), s)  # overlaps the other half's dispatch

@@ -12,8 +12,8 @@ Empty experts and ranks that send or receive nothing are ordinary zero-size spli
 from __future__ import annotations
 
 import torch
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from core.torch_compat import all_to_all_single_autograd
 from models.moe import ExpertWeights, combine, compute_experts, sort_by_expert
 from parallelisms.dispatchers.base import Dispatcher, register
 from parallelisms.dispatchers.common import exchange_counts, expert_order

@@ -18,6 +18,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from core.torch_compat import backend_of
 from kernels.moe.npu import weight_grad
 
 
@@ -46,7 +47,7 @@ def check_mc2_chip() -> None:
 def hccl_comm_name(group: dist.ProcessGroup) -> str:
     """The HCCL communicator name the MC2 ops address the ep group by."""
     rank = dist.get_global_rank(group, dist.get_rank(group))
-    return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
+    return backend_of(group, torch.device("npu")).get_hccl_comm_name(rank)
 
 
 def _zero_empty(grad_w: torch.Tensor, counts_G: list[int]) -> torch.Tensor:

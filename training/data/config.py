@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import execution
+from core.files import file_kind, nearest_existing
 
 from training.data.hf_datasets import hf_files
 from training.data.token_shards import BIN_DTYPES, shard_paths
+from training.data.vision import DEFAULT_MAX_IMAGE_PIXELS
 
 _NAMES = ("chitchat", "jsonl", "hf", "tokens")
 
@@ -43,6 +45,12 @@ class DataConfig:
     # Text and chat data whose trained labels are > 90% special tokens (empty texts or assistant messages) are
     # refused; true: train on it anyway (a resume may change only whether it is refused: the data itself is compared)
     allow_special_only: bool = execution(default=False)
+    # jsonl chats with images (a model with a vision tower): a source image of more pixels is refused, naming it
+    max_image_pixels: int = execution(default=DEFAULT_MAX_IMAGE_PIXELS)
+    # The pixels an image is resized into (the tokens it becomes: pixels / (patch_size * merge_size)**2); None: the
+    # model's image processor's (preprocessor_config.json's shortest_edge / longest_edge)
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
 
 
 def source_path(cfg: DataConfig) -> Path:
@@ -69,6 +77,11 @@ def validate_data_config(cfg: DataConfig) -> None:
                          "data end documents with the tokenizer's <|endoftext|>")
     if not cfg.cache_dir:
         raise ValueError("data.cache_dir must be a directory for the tokenized-corpus cache, e.g. .cache/data")
+    blocker = nearest_existing(Path(cfg.cache_dir))  # the directory, or the parent it would be made in
+    if (kind := file_kind(blocker)) != "directory":
+        where = "is" if blocker == Path(cfg.cache_dir) else f"cannot be made: {blocker} is"
+        raise ValueError(f"data.cache_dir={cfg.cache_dir} {where} {'a file' if kind == 'file' else kind}, not a "
+                         "directory: point data.cache_dir at a directory for the tokenized-corpus cache")
     if not 0 <= cfg.val_fraction < 1:
         raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1): the share of each source held out "
                          "for validation, e.g. data.val_fraction=0.01")
@@ -78,13 +91,43 @@ def validate_data_config(cfg: DataConfig) -> None:
     if cfg.allow_special_only and cfg.name == "tokens":
         raise ValueError("data.allow_special_only=true accepts text or chat data of (almost) only special tokens, "
                          "and data=tokens is not checked for them; unset it")
+    _validate_images(cfg)
     if cfg.name == "tokens":
         for key, path in token_paths(cfg):
             shard_paths(path, key)
     elif cfg.name == "hf":
         hf_files(cfg.path)
-    elif not source_path(cfg).is_file():
-        raise FileNotFoundError(f"data.path: no such file {source_path(cfg)}")
+    else:
+        _check_source_file(cfg)
+
+
+def _check_source_file(cfg: DataConfig) -> None:
+    """data=jsonl and chitchat read one regular file (more than once: its sha256 for the cache, then its documents)."""
+    path, kind = source_path(cfg), file_kind(source_path(cfg))
+    if kind == "missing":
+        raise FileNotFoundError(f"data.path: no such file {path}")
+    what = "one .jsonl file" if cfg.name == "jsonl" else "one dataset.json file"
+    if kind == "directory":
+        raise ValueError(f"data.path={path} is a directory, and data.name={cfg.name} reads {what}: name the file (a "
+                         "directory of token shards is read by data=tokens, of datasets files by data=hf)")
+    if kind != "file":
+        raise ValueError(f"data.path={path} is {kind}, not a regular file, and data.name={cfg.name} reads {what} more "
+                         "than once (its sha256 for the cache, then its documents): write the corpus to a file")
+
+
+def _validate_images(cfg: DataConfig) -> None:
+    for key in ("max_image_pixels", "image_min_pixels", "image_max_pixels"):
+        value = getattr(cfg, key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"data.{key}={value!r} must be a positive number of pixels, e.g. data.{key}=1048576")
+    if None not in (cfg.image_min_pixels, cfg.image_max_pixels) and cfg.image_min_pixels > cfg.image_max_pixels:
+        raise ValueError(f"data.image_min_pixels={cfg.image_min_pixels} is above data.image_max_pixels="
+                         f"{cfg.image_max_pixels}; an image is resized into [min, max] pixels")
+    changed = [f"data.{k}" for k in ("image_min_pixels", "image_max_pixels") if getattr(cfg, k) is not None]
+    changed += ["data.max_image_pixels"] if cfg.max_image_pixels != DEFAULT_MAX_IMAGE_PIXELS else []
+    if changed and cfg.name != "jsonl":
+        raise ValueError(f"{', '.join(changed)} set the images of chats, which only data.name=jsonl reads; unset "
+                         f"{'them' if len(changed) > 1 else 'it'} for data.name={cfg.name}")
 
 
 def _validate_sources(cfg: DataConfig) -> None:

@@ -5,6 +5,7 @@
 written by ``Dataset.save_to_disk``. One document per row of ``data.column``: a string is a text, a list of
 {"role", "content"} is a chat, rendered and masked as data=jsonl does (``training.data.tokenize_shards``). Parquet and json
 are converted once to arrow under ``<data.cache_dir>/hf`` by ``datasets``; arrow files are memory-mapped in place.
+Images are not read here: an image column, or an image part in a chat, is refused by name (never dropped).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.data.chat import Doc, checked_messages, document
+from core.files import file_kind
+from training.data.chat import VISION_ONLY, Doc, checked_messages, document
 from training.data.tokenize_shards import Shard, shard_name
 from training.data.tokenizer import QwenTokenizer
 
+IMAGE_COLUMNS = ("images", "image", "videos", "video")  # multimodal columns: refused, never dropped
 HF_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}  # suffix -> builder
 SAVED = "saved"  # the format of a save_to_disk directory
 _SAVED_FILES = ("state.json", "dataset_info.json")
@@ -42,8 +45,11 @@ def hf_files(path: str, key: str = "data.path") -> tuple[str, tuple[Path, ...]]:
         files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in HF_FORMATS)
     elif p.is_file():
         files = [p]
-    else:
+    elif file_kind(p) == "missing":
         raise FileNotFoundError(f"{key}: no such file or directory {path}")
+    else:
+        raise ValueError(f"{key}={path} is {file_kind(p)}, not a datasets file or a directory of them (datasets reads "
+                         "regular files): write the data to a file")
     names = ", ".join(HF_FORMATS)
     if not files:
         raise ValueError(f"{key}={path} holds no {names} file; point {key} at dataset files or a save_to_disk "
@@ -80,8 +86,13 @@ def open_dataset(fmt: str, files: tuple[Path, ...], cache_dir: str):
         return dataset
     if fmt == "arrow":  # files written by datasets: memory-mapped where they are, no copy
         return datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
-    return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
-                                 cache_dir=str(Path(cache_dir) / "hf"))
+    try:
+        return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
+                                     cache_dir=str(Path(cache_dir) / "hf"))
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:  # pyarrow's errors name no file
+        cause = e.__cause__ or e  # datasets wraps the reader's error
+        named = ", ".join(map(str, files[:3])) + (f" (and {len(files) - 3} more)" if len(files) > 3 else "")
+        raise ValueError(f"{named}: datasets cannot read it as {fmt}: {' '.join(str(cause).split())}") from e
 
 
 def pick_column(columns: list[str], column: str | None, key: str = "data.column") -> str:
@@ -102,6 +113,10 @@ def row_document(value: object, column: str) -> str | list[dict]:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
+        # arrow gives a list of parts as structs with every field of any part: the fields a part lacks are None
+        value = [{**msg, "content": [{k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+                                     for part in msg["content"]]}
+                 if isinstance(msg, dict) and isinstance(msg.get("content"), list) else msg for msg in value]
         return checked_messages(value, f"column {column!r}")
     got = "null" if value is None else type(value).__name__
     raise ValueError(f"column {column!r} must hold a text (string) or a chat (a list of {{role, content}}), got {got}")
@@ -152,4 +167,10 @@ def hf_corpus(path: str, column: str | None, cache_dir: str, key: str = "data.pa
     """The corpus of ``path``'s files, its column picked (opens the dataset: ``datasets`` converts it on first use)."""
     fmt, paths = hf_files(path, key)
     dataset = open_dataset(fmt, paths, cache_dir)
+    media = [c for c in dataset.column_names if c.lower() in IMAGE_COLUMNS]
+    if media:
+        raise ValueError(f"{key}={path} ({', '.join(map(str, paths[:2]))}{', ...' if len(paths) > 2 else ''}) has "
+                         f"the column {media[0]!r}: data=hf reads one text or messages column, so the images would be "
+                         f"dropped and the chats trained as text; {VISION_ONLY} (image parts in the "
+                         "messages), or remove the column")
     return HfCorpus(path, fmt, paths, pick_column(list(dataset.column_names), column), cache_dir)

@@ -38,14 +38,23 @@ _TEXT_SPECIALS = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle
                   "</think>"}
 _ENDOFTEXT, _IM_END = "<|endoftext|>", "<|im_end|>"
 _MAX_LENGTH = {"qwen3": 131_072, "qwen3_5": 262_144}  # model_max_length when config.json has no maximum
-# QwenTokenizer.render_chat as Jinja: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, the same roles.
+# QwenTokenizer.render_chat as Jinja: "<|im_start|>{role}\n{content}<|im_end|>\n" per message, the same roles; a
+# content that is a list of parts as Qwen's templates render it: text parts as their text, an image part as
+# <|vision_start|><|image_pad|><|vision_end|> (which transformers' Qwen-VL processors expand to the image's tokens).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] not in [" + ", ".join(f"'{r}'" for r in CHAT_ROLES) + "] -%}"
     "{{ raise_exception('unknown chat role ' + message['role'] + '; the chat template knows "
     + ", ".join(CHAT_ROLES) + "') }}"
     "{%- endif -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- else -%}{{ raise_exception('a ' + part['type'] + ' part; the chat template renders text and image parts') }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

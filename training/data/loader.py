@@ -20,11 +20,16 @@ Packed documents (``data.document_mask``): position ids restart at each document
 tells the model to keep attention and DeltaNet within documents (``models.layers.document_ids``). Under context
 parallelism the cp ranks of a dp slice read the same rows, each keeping its contiguous 1/cp (``context_shard``).
 
+Chats with images (data=jsonl, for a model with a vision tower: ``vision``) are cut into windows that never split an
+image, and every batch of such a corpus is multimodal (``training.data.packing``): its images are read and processed
+as its batch is made, in this process. A corpus without an image yields text batches, whatever the model.
+
 Letters as in DEVELOPERS.md: B the local batch, T seq_len, T1 = seq_len + 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,10 +40,11 @@ import torch
 from training.data.cache import tokenized_corpus
 from training.data.config import (DataConfig, SourceConfig, source_names, source_path, token_paths,
                                   validate_data_config)
-from training.data.packing import Source, hold_out, packed_batch
+from training.data.packing import Images, Source, hold_out, packed_batch
 from training.data.token_shards import WindowOrder, load_token_stream
 from training.data.tokenizer import TOKENIZERS, QwenTokenizer, special_tokens
 from training.data.validation import ValidationSet
+from training.data.vision import VisionData
 
 logger = logging.getLogger(__name__)
 # train.allow_changes entries that make a change of the data's contents on resume deliberate
@@ -63,9 +69,11 @@ class PackedLoader:
         dp_rank: int,
         dp_size: int,
         eos_id: int | None = None,
+        vision: VisionData | None = None,
     ) -> None:
         self._sources = sources
         self._eos_id = eos_id  # None: position ids 0..T-1 in every window, else restarting after each eos
+        self.vision = vision  # a multimodal corpus: every batch multimodal (training.data.packing)
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self._seed = seed
@@ -73,7 +81,7 @@ class PackedLoader:
         self._rank_offset = dp_rank * local_batch_size
         self._global_batch = local_batch_size * dp_size
         mixture = len(sources) > 1
-        self._orders = [WindowOrder(len(src.ids) // (seq_len + 1), (seed, i) if mixture else (seed,))
+        self._orders = [WindowOrder(src.num_windows(seq_len), (seed, i) if mixture else (seed,))
                         for i, src in enumerate(sources)]
         for src, order in zip(sources, self._orders):
             if order.num_windows < self._global_batch:
@@ -123,7 +131,7 @@ class PackedLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         source_G, window_G = self._global_slots()
         rows = slice(self._rank_offset, self._rank_offset + self._local_batch)
-        return packed_batch(self._sources, source_G[rows], window_G[rows], self.seq_len, self._eos_id)
+        return packed_batch(self._sources, source_G[rows], window_G[rows], self.seq_len, self._eos_id, self.vision)
 
     def passes(self, global_batches: int) -> list[str]:
         """How many times over ``global_batches`` global batches read each source (a mixture's: expected, by its
@@ -221,10 +229,10 @@ class PackedLoader:
         return True
 
 
-def _check_trained_tokens(cfg: DataConfig, path: str | Path, ids: np.ndarray, mask: np.ndarray, tokenizer: str
-                          ) -> None:
+def _check_trained_tokens(cfg: DataConfig, path: str | Path, ids: np.ndarray, mask: np.ndarray, tokenizer: str,
+                          untrained: tuple[int, ...] = ()) -> None:
     """Raise ValueError if the tokenized corpus (fresh or cached) trains nothing, or (almost) only special tokens,
-    under ``data.mask_non_assistant``."""
+    under ``data.mask_non_assistant``; ``untrained``: ids never trained (an image's tokens)."""
     if mask.size == 0:
         raise ValueError(f"data.path={path} holds no documents (e.g. a jsonl file of blank lines); add documents or "
                          "point data.path at the right file")
@@ -232,6 +240,8 @@ def _check_trained_tokens(cfg: DataConfig, path: str | Path, ids: np.ndarray, ma
         raise ValueError(f"data.path={path}: no assistant message anywhere: with data.mask_non_assistant=true nothing "
                          "would be trained; add assistant turns or set data.mask_non_assistant=false")
     labels = ids[mask.astype(bool)] if cfg.mask_non_assistant else ids
+    if untrained:
+        labels = labels[~np.isin(labels, untrained)]
     specials = special_tokens(tokenizer)
     special = labels >= min(specials.values())  # a Qwen vocabulary's special tokens follow all of its BPE ids
     share = float(special.mean())
@@ -255,6 +265,10 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None, model_vocab_size: int
             raise ValueError(f"data.mask_non_assistant=true needs a loss mask, and {key}={path} holds plain ids; "
                              "tokenize chat data with scripts/pretokenize.py (its shards carry the mask) or set "
                              "data.mask_non_assistant=false")
+        if cfg.mask_non_assistant and not data.mask.any():
+            raise ValueError(f"{key}={path}: every label of its shards is masked (no assistant message anywhere): "
+                             "with data.mask_non_assistant=true its windows would train nothing; tokenize data with "
+                             "assistant turns, or set data.mask_non_assistant=false")
         if data.tokenizer is not None:
             if tokenizer is not None and data.tokenizer != tokenizer:
                 raise ValueError(f"{key}={path} was tokenized with {data.tokenizer} (its manifest.json) and the "
@@ -273,13 +287,35 @@ def _token_sources(cfg: DataConfig, tokenizer: str | None, model_vocab_size: int
     return sources, vocab_size, eos_id
 
 
+def _data_vision(cfg: DataConfig, vision: VisionData | None) -> VisionData | None:
+    """The model's ``vision`` with data.max_image_pixels and the resize overrides data.image_min_pixels /
+    data.image_max_pixels applied; ValueError names them for a model without a vision tower."""
+    keys = [f"data.{k}" for k in ("image_min_pixels", "image_max_pixels") if getattr(cfg, k) is not None]
+    if vision is None:
+        if keys:
+            raise ValueError(f"{', '.join(keys)} resize the images of chats, and the model has no vision tower to "
+                             "read them; unset them")
+        return None
+    processing = vision.processing
+    processing = dataclasses.replace(processing, min_pixels=cfg.image_min_pixels or processing.min_pixels,
+                                     max_pixels=cfg.image_max_pixels or processing.max_pixels)
+    if processing.min_pixels > processing.max_pixels:
+        raise ValueError(f"{' and '.join(keys)} leave images between {processing.min_pixels:,} and "
+                         f"{processing.max_pixels:,} pixels (the model's image processor: {vision.processing.min_pixels:,}"
+                         f" .. {vision.processing.max_pixels:,}): min above max; set both")
+    return dataclasses.replace(vision, processing=processing, max_image_pixels=cfg.max_image_pixels)
+
+
 def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_rank: int, dp_size: int,
-                      tokenizer: str | None = "qwen3", model_vocab_size: int | None = None) -> PackedLoader:
+                      tokenizer: str | None = "qwen3", model_vocab_size: int | None = None,
+                      vision: VisionData | None = None) -> PackedLoader:
     """Validate ``cfg``, load (tokenizing with ``tokenizer``, the model's, and caching on first use) the corpus, and
     return dp rank's loader; with ``data.val_fraction``, its ``validation`` holds the held-out part (else None).
     ``tokenizer`` (a training.data.tokenizer vocabulary) is unused by pre-tokenized data, whose shards are checked
-    against ``model_vocab_size`` (the model's) where given."""
+    against ``model_vocab_size`` (the model's) where given. ``vision``: the model's vision side
+    (``training.data.vision.vision_for_model``), for a model with a vision tower; None refuses data with images."""
     validate_data_config(cfg)
+    vision = _data_vision(cfg, vision)
     if cfg.name != "tokens" and tokenizer not in TOKENIZERS:
         raise ValueError(f"data.name={cfg.name} tokenizes its text with the model's tokenizer, and model.tokenizer "
                          f"gives {tokenizer!r}: choose one of {', '.join(TOKENIZERS)} (or pre-tokenized data=tokens)")
@@ -290,13 +326,20 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
         raise ValueError(f"data.eos_id={cfg.eos_id} is outside the model's vocabulary (model.arch.vocab_size="
                          f"{model_vocab_size}), so no token would end a document: set data.eos_id to the id that "
                          "ends the data's documents, or null for none")
+    run_vision = None  # a corpus with images: its batches are multimodal
     if cfg.name == "tokens":
         sources, vocab_size, eos_id = _token_sources(cfg, tokenizer, model_vocab_size)
     else:
-        corpus = tokenized_corpus(cfg, tokenizer)
+        corpus = tokenized_corpus(cfg, tokenizer, vision if cfg.name == "jsonl" else None)
         ids, mask = corpus.stream
-        _check_trained_tokens(cfg, cfg.path or source_path(cfg), ids, mask, tokenizer)
-        sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None, identity=corpus.source_sha256)]
+        images = None
+        if corpus.images:
+            run_vision = vision
+            images = Images.of(ids, corpus.images, vision, str(cfg.path))
+        _check_trained_tokens(cfg, cfg.path or source_path(cfg), ids, mask, tokenizer,
+                              run_vision.token_ids if run_vision else ())
+        sources = [Source(cfg.name, ids, mask if cfg.mask_non_assistant else None, identity=corpus.source_sha256,
+                          images=images)]
         tok = QwenTokenizer(tokenizer)
         vocab_size, eos_id = tok.vocab_size, tok.eos_id  # data text cannot forge it: eos ends documents only
     doc_eos_id = eos_id if cfg.document_mask else None  # what restarts position ids
@@ -307,9 +350,10 @@ def build_data_loader(cfg: DataConfig, *, seed: int, local_batch_size: int, dp_r
                              "data.eos_id: set data.eos_id (the id that ends a document)")
         sources, held_out = zip(*(hold_out(src, cfg.val_fraction, eos_id) for src in sources))
         validation = ValidationSet(list(held_out), seq_len=cfg.seq_len, eos_id=doc_eos_id,
-                                   local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+                                   local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                   vision=run_vision)
     loader = PackedLoader(list(sources), seq_len=cfg.seq_len, vocab_size=vocab_size, seed=seed,
                           local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                          eos_id=doc_eos_id)
+                          eos_id=doc_eos_id, vision=run_vision)
     loader.validation = validation
     return loader

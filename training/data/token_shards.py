@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.files import atomic_write_text, record_paths, record_problems
+from core.files import atomic_write_text, file_kind, record_paths, record_problems
 from training.data.tokenize_shards import MANIFEST, SHARD_SUFFIXES, file_sha256
 
 BIN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # data.bin_dtype: raw little-endian ids
@@ -49,8 +49,11 @@ def shard_paths(path: str, key: str = "data.path") -> list[Path]:
         files = sorted(p for p in Path(path).iterdir() if p.is_file() and p.suffix in SHARD_SUFFIXES)
     elif Path(path).is_file():
         files = [Path(path)]
-    else:
+    elif file_kind(Path(path)) == "missing":
         raise FileNotFoundError(f"{key}: no such file or directory {path}")
+    else:
+        raise ValueError(f"{key}={path} is {file_kind(Path(path))}, not a token shard file or a directory of them "
+                         "(shards are memory-mapped: they must be regular files)")
     if not files:
         raise ValueError(f"{key}={path} holds no .npy or .bin shard; point {key} at a file, a directory or a glob "
                          "of token shards")
@@ -188,6 +191,11 @@ class TokenStream:
 
     def __len__(self) -> int:
         return int(self._starts[-1])
+
+    def any(self, block: int = 1 << 24) -> bool:
+        """Whether any entry is non-zero (of a trained mask: whether any label is trained), read in blocks up to the
+        first such: at once for any corpus that trains, the whole of one that does not."""
+        return any(shard[i:i + block].any() for shard in self._shards for i in range(0, len(shard), block))
 
     def __getitem__(self, index: np.ndarray) -> np.ndarray:
         index = np.asarray(index, dtype=np.int64)

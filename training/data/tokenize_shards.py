@@ -1,7 +1,9 @@
 """Tokenize a text corpus over worker processes into shards, resumably, with a manifest.
 
 A corpus (``Corpus``) is a .jsonl file (``JsonlCorpus``: one document per non-blank line, ``{"text": ...}`` or
-``{"messages": [{"role", "content"}, ...]}``) or local Hugging Face datasets files (``training.data.hf_datasets``: one
+``{"messages": [{"role", "content"}, ...]}``; for a model with a vision tower, user turns may hold image parts, each
+image read and checked here and recorded beside its shard, ``shard_<i:05d>.images.json``) or local Hugging Face
+datasets files (``training.data.hf_datasets``: one
 document per row of a text or messages column). A text is encoded and followed by <|endoftext|>, all trained; a chat
 is rendered with the ChatML template (only assistant turns trained) and followed by an untrained <|endoftext|>.
 
@@ -34,19 +36,41 @@ from typing import Protocol
 
 import numpy as np
 
-from core.files import atomic_write_npy, atomic_write_text, record_paths
-from training.data.chat import Doc, document, join_docs, jsonl_row
+from core.files import atomic_write_npy, atomic_write_text, file_kind, nearest_existing, record_paths
+from training.data.chat import Doc, ImageReader, document, join_docs, jsonl_row
 from training.data.tokenizer import TOKENIZERS, QwenTokenizer
+from training.data.vision import ImageError, ImageRecord, VisionData, inspect_image
 
 MANIFEST = "manifest.json"
 SHARD_SUFFIXES = (".npy", ".bin")  # what data=tokens reads from a directory (training.data.token_shards)
 _FORMAT = 2  # bump when the manifest or the shard layout changes (2: reader, row ranges)
 
 
+def image_reader(jsonl: Path, line: int, vision: VisionData | None) -> ImageReader | None:
+    """How the image parts of line ``line`` of ``jsonl`` are read: paths relative to the file's directory, or absolute;
+    each image checked (``training.data.vision.inspect_image``). None without a vision tower."""
+    if vision is None:
+        return None
+
+    def read(part: dict) -> ImageRecord:
+        source = part["image"]
+        if source.startswith(("http://", "https://", "data:")):
+            raise ImageError(f"image {source[:60]}: a URL or inline data: images are read from local files only "
+                             "(offline); download it and give its path")
+        path = Path(source) if Path(source).is_absolute() else jsonl.parent.absolute() / source
+        try:
+            return inspect_image(path, source, line, vision)
+        except ImageError as e:
+            raise ImageError(f"image {source}{'' if Path(source).is_absolute() else f' ({path})'}: {e}") from None
+
+    return read
+
+
 def jsonl_docs(path: Path, tok: QwenTokenizer, start: int = 0, stop: int | None = None,
-               first_line: int = 1) -> Iterator[Doc]:
-    """One document per non-blank line of bytes [start, stop) of ``path`` (line ``first_line`` at ``start``);
-    errors name the file and the line."""
+               first_line: int = 1, vision: VisionData | None = None) -> Iterator[Doc]:
+    """One document per non-blank line of bytes [start, stop) of ``path`` (line ``first_line`` at ``start``), its
+    images read for a model with a vision tower (``vision``; None: an image is refused); errors name the file and
+    the line."""
     with path.open("rb") as f:
         f.seek(start)
         lineno, offset = first_line - 1, start
@@ -63,12 +87,17 @@ def jsonl_docs(path: Path, tok: QwenTokenizer, start: int = 0, stop: int | None 
                 continue
             try:
                 row = jsonl_row(json.loads(line))
+                doc = document(tok, row, image_reader(path, lineno, vision))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {lineno}: invalid JSON ({e.msg} at column {e.pos + 1}); expected one "
                                  "JSON object per line") from None
             except ValueError as e:
                 raise ValueError(f"{path} line {lineno}: {e}") from None
-            yield document(tok, row)
+            except RecursionError:  # json's parser recurses per level: past Python's limit (about 1,000)
+                raise ValueError(f"{path} line {lineno}: JSON nested deeper than the parser reads (Python's recursion "
+                                 "limit); expected one JSON object per line, with a 'text' or a 'messages' field"
+                                 ) from None
+            yield doc
 
 
 @dataclass
@@ -84,6 +113,12 @@ class Shard:
     trained_tokens: int = 0
     sha256: str = ""
     record: dict = field(default_factory=dict)  # the file's size and block CRCs (core.files), checked when read
+    images_sha256: str = ""  # its images' records (``images_file``), where its documents hold images
+
+
+def images_file(shard_file: str) -> str:
+    """The file beside a shard that records its images (``ImageRecord``s in the order of their tokens)."""
+    return shard_file.removesuffix(".npy") + ".images.json"
 
 
 def shard_name(i: int) -> str:
@@ -139,9 +174,14 @@ class Corpus(Protocol):
 
 @dataclass(frozen=True)
 class JsonlCorpus:
-    """A .jsonl file; a shard is a run of non-blank lines (its bytes, for the ETA)."""
+    """A .jsonl file; a shard is a run of non-blank lines (its bytes, for the ETA). ``vision``: the model's vision
+    side, which reads image parts (None: they are refused)."""
     path: Path
-    reader: str = "jsonl"
+    vision: VisionData | None = None
+
+    @property
+    def reader(self) -> str:
+        return "jsonl" if self.vision is None else f"jsonl images {self.vision.key()}"
 
     @property
     def source(self) -> str:
@@ -154,7 +194,7 @@ class JsonlCorpus:
         return _plan(self.path, docs_per_shard)
 
     def docs(self, tok: QwenTokenizer, shard: Shard) -> Iterator[Doc]:
-        return jsonl_docs(self.path, tok, shard.bytes[0], shard.bytes[1], shard.lines[0])
+        return jsonl_docs(self.path, tok, shard.bytes[0], shard.bytes[1], shard.lines[0], self.vision)
 
     def work(self, shard: Shard) -> int:
         return shard.bytes[1] - shard.bytes[0]
@@ -182,6 +222,11 @@ class Manifest:
         parts = [np.load(out_dir / s.file) for s in self.shards]
         return np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), dtype=np.uint32)
 
+    def images(self, out_dir: Path) -> list[ImageRecord]:
+        """The corpus's images, in the order of their tokens in ``stream``."""
+        return [ImageRecord.from_json(entry) for s in self.shards if s.images_sha256
+                for entry in json.loads((out_dir / images_file(s.file)).read_text())]
+
 
 _worker: tuple[Corpus, QwenTokenizer] | None = None  # this process's corpus and tokenizer
 
@@ -191,14 +236,15 @@ def _init_worker(corpus: Corpus, tokenizer: str) -> None:
     _worker = corpus, QwenTokenizer(tokenizer)
 
 
-def _tokenize_shard(entry: dict) -> tuple[dict, np.ndarray]:
-    """One shard's manifest entry (its counts) and its [2, n] uint32 array, tokenized from its range of the corpus."""
+def _tokenize_shard(entry: dict) -> tuple[dict, np.ndarray, list[dict]]:
+    """One shard's manifest entry (its counts), its [2, n] uint32 array, tokenized from its range of the corpus, and
+    its images' records."""
     corpus, tok = _worker
     shard = Shard(**entry)
     docs = list(corpus.docs(tok, shard))
     array = join_docs(docs)
     shard.documents, shard.tokens, shard.trained_tokens = len(docs), array.shape[1], int(array[1].sum())
-    return asdict(shard), array
+    return asdict(shard), array, [image.to_json() for doc in docs for image in doc.images]
 
 
 class _Progress:
@@ -246,9 +292,11 @@ def _resumable(out_dir: Path, manifest: Manifest) -> dict[str, Shard]:
     for entry in old.get("shards", []):
         shard = Shard(**entry)
         mine = plan.get(shard.file)
+        images = out_dir / images_file(shard.file)
         if (shard.sha256 and mine is not None and (mine.lines, mine.bytes, mine.rows) == (shard.lines, shard.bytes,
                                                                                           shard.rows)
-                and (out_dir / shard.file).is_file() and file_sha256(out_dir / shard.file) == shard.sha256):
+                and (out_dir / shard.file).is_file() and file_sha256(out_dir / shard.file) == shard.sha256
+                and (not shard.images_sha256 or images.is_file() and file_sha256(images) == shard.images_sha256)):
             done[shard.file] = shard
     return done
 
@@ -276,6 +324,10 @@ def _write_manifest(out_dir: Path, manifest: Manifest) -> None:
     atomic_write_text(out_dir / MANIFEST, json.dumps(asdict(manifest), indent=1) + "\n")
 
 
+def _a(kind: str) -> str:
+    return "a file" if kind == "file" else kind
+
+
 def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, workers: int = 1,
                        docs_per_shard: int = 10_000, progress: bool = False, source_sha256: str | None = None,
                        max_shards: int | None = None) -> Manifest:
@@ -294,6 +346,12 @@ def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, 
         raise ValueError(f"docs_per_shard={docs_per_shard} must be at least 1")
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"tokenizer {tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+    blocker = nearest_existing(out_dir)  # out_dir or the parent it would be made in: a directory, or refused here
+    if file_kind(blocker) != "directory":
+        what = "is" if blocker == out_dir else f"cannot be made: {blocker} is"
+        raise ValueError(f"the token shards' directory {out_dir} {what} {_a(file_kind(blocker))}, not a directory: "
+                         "name a new or empty directory (or that of an earlier run of this tokenization, which it "
+                         "continues)")
     files = corpus.files()
     manifest = Manifest(corpus.source, source_sha256 or files_sha256(files), sum(f.stat().st_size for f in files),
                         corpus.reader, tokenizer, docs_per_shard, corpus.plan(docs_per_shard))
@@ -308,8 +366,11 @@ def tokenize_to_shards(corpus: Corpus | Path, out_dir: Path, tokenizer: str, *, 
     jobs = [asdict(s) for s in todo]
     _write_manifest(out_dir, manifest)
 
-    def finish(result: tuple[dict, np.ndarray]) -> None:
+    def finish(result: tuple[dict, np.ndarray, list[dict]]) -> None:
         shard = Shard(**result[0])
+        if result[2]:  # before the shard: a shard written is a shard whose images are recorded
+            atomic_write_text(out_dir / images_file(shard.file), json.dumps(result[2]))
+            shard.images_sha256 = file_sha256(out_dir / images_file(shard.file))
         atomic_write_npy(out_dir / shard.file, result[1])
         shard.sha256 = file_sha256(out_dir / shard.file)
         shard.record = record_paths([out_dir / shard.file])[out_dir / shard.file]

