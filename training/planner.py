@@ -422,11 +422,11 @@ def memory(model: nn.Module, spec: models.ModelSpec, units: list[Unit], s: Paral
 
 def vision_activations(model: nn.Module, spec: models.ModelSpec, patches: int, b: int) -> dict[str, int]:
     """Bytes a vision tower keeps for backward over ``patches`` patches, per checkpointing mode (its blocks are
-    checkpointed as the decoder's: under full each keeps its input); its parts outside the blocks are never
-    checkpointed."""
+    checkpointed as the decoder's: under full, and full_keep_exchange (no exchange in the tower), each keeps its
+    input); its parts outside the blocks are never checkpointed."""
     tower = spec.vision_tower(model)
     if tower is None or not patches:
-        return {"none": 0, "selective": 0, "full": 0}
+        return {"none": 0, "selective": 0, "full": 0, "full_keep_exchange": 0}
     blocks = [block.saved_activations() for _, block in spec.named_vision_blocks(model)]
     own = tower.saved_activations()
 
@@ -436,7 +436,8 @@ def vision_activations(model: nn.Module, spec: models.ModelSpec, patches: int, b
     rest = nbytes(own.none, own.none_fp32)
     return {"none": rest + sum(nbytes(a.none, a.none_fp32) for a in blocks),
             "selective": rest + sum(nbytes(a.selective, a.selective_fp32) for a in blocks),
-            "full": rest + len(blocks) * nbytes(tower.args.hidden_size, 0)}
+            "full": rest + len(blocks) * nbytes(tower.args.hidden_size, 0),
+            "full_keep_exchange": rest + len(blocks) * nbytes(tower.args.hidden_size, 0)}
 
 
 def vision_patches(args: Any, window_tokens: int, machine: PlanConfig) -> int:
