@@ -4,10 +4,10 @@
                                     [--chunk-size 64] [--device auto]
 
 --kernels: the kernel_config.name whose kernels are checked; by default ``auto``, what the training default
-(kernel_config=auto) can run, in 48 s from cold caches on an H100 (docs/results.md, "Kernels alone"). The Qwen3.5
-rows' FLA delta rule (kernel_config=auto_fla) is ``--kernels auto,flash-linear-attention``: add about 190 s on cold
-caches, FLA's own first autotune of its chunked rule and short convolution, which the first training step with FLA
-pays the same (about 20 s once Triton's cache holds it).
+(kernel_config=auto) can run: about 53 s from cold caches on an H100 (docs/results.md, "The house"). The Qwen3.5
+rows' FLA delta rule (kernel_config=auto_fla) is ``--kernels auto,flash-linear-attention``: 246 s from cold caches,
+192 s of it FLA's own first autotune of its chunked rule and short convolution, which the first training step with
+FLA pays the same; 39 s once Triton's cache holds it.
 
 What is checked: every implementation that kernels/registry.py can choose on this device under --kernels, not only
 the one it prefers (DeltaNet's short convolution: FLA's and ours; packed-document attention: cudnn_attention,
