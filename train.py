@@ -57,7 +57,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
 
 def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict[str, Any]]:
     plan = plan_run(cfg, World.of(cfg.launch))  # every check, read-only: before any process group or write
-    dims, dev = start_processes(cfg, plan.dev_type)
+    dims, dev = start_processes(cfg, plan)
     plan, run_dir = plan.hold(dims, run_scope)  # rank 0 locks it and looks again; every rank takes its look
     if plan.finished:
         return []
@@ -172,10 +172,10 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
 
 
 # ------------------------------------------------------------------------------------------ set-up steps
-def start_processes(cfg: TrainConfig, dev_type: str) -> tuple[parallelisms.ParallelDims, torch.device]:
-    """The process group (under torchrun, or the loopback world of launch.simulate_world), the layout's meshes and
-    this rank's device."""
-    world = World.of(cfg.launch)
+def start_processes(cfg: TrainConfig, plan: RunPlan) -> tuple[parallelisms.ParallelDims, torch.device]:
+    """The process group of the plan's world (under torchrun, or the loopback world of launch.simulate_world), the
+    layout's meshes and this rank's device."""
+    world, dev_type = plan.world, plan.dev_type
     if cfg.launch.simulate_world:
         parallelisms.init_loopback_world(world.size, world.rank, dev_type, cfg.launch.links)
     parallelisms.init_distributed(dev_type, cfg.parallel)

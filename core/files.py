@@ -4,16 +4,19 @@ No torch here: the tokenizer's worker processes import this."""
 
 from __future__ import annotations
 
+import datetime
 import errno
+import fcntl
 import os
 import re
 import shutil
+import socket
 import stat
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -171,3 +174,32 @@ def write_failure(e: BaseException, what: str, path: Path) -> str | None:
                                           "file too large (a file-size limit: ulimit -f) or a quota")
         return f"no space or file too large while writing {what}: {why} ({free / 2**30:.2f} GiB free on {where})"
     return None
+
+
+# ------------------------------------------------------------------------------------------ held files
+class LockHeld(RuntimeError):
+    """Another process holds the lock file: ``holder`` is the line it wrote (pid, host, start)."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+def hold_lock_file(path: Path, owner: str = "") -> IO[str]:
+    """An exclusive ``fcntl.flock`` on ``path`` (created if missing), with this process's line written in it (pid,
+    host, start time, then ``owner``): the open file, which holds it until closed or the process dies (the OS releases
+    it, however the process ends). LockHeld, naming the holder's line, if another process holds it."""
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that has not written its name yet"
+        handle.close()
+        raise LockHeld(holder) from None
+    handle.seek(0)
+    handle.truncate()
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}{owner}\n")
+    handle.flush()
+    return handle

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import fcntl
 import hashlib
 import importlib
 import json
@@ -24,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import stat
 import struct
 import tempfile
@@ -41,7 +38,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from core.files import remove, stale_temporaries, write_failure
+from core.files import LockHeld, hold_lock_file, remove, stale_temporaries, write_failure
 from core.safetensors_stream import TensorLayout, stream_gathered, torch_dtype, write_safetensors
 from models import ModelSpec, build_args, get_spec
 from models.init import local_box
@@ -694,26 +691,17 @@ def _export_lock(out_dir: Path) -> Iterator[None]:
     it at the same time is refused, naming the first."""
     path = out_dir.parent / f".{out_dir.name}.export-lock"
     while True:
-        handle = open(path, "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "a process that has not written its name yet"
-            handle.close()
-            raise ValueError(f"export directory {out_dir} is being written by another export ({holder}): wait for it "
-                             "to end, or export into another directory") from None
+            handle = hold_lock_file(path)
+        except LockHeld as e:
+            raise ValueError(f"export directory {out_dir} is being written by another export ({e.holder}): wait for "
+                             "it to end, or export into another directory") from None
         try:  # its holder may have removed it between our open and our lock: then take the new one
             if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
                 break
         except FileNotFoundError:
             pass
         handle.close()
-    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
-    handle.flush()
     try:
         yield
     finally:

@@ -141,7 +141,7 @@ def run_ours(args: argparse.Namespace, vision: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = train_config(args, vision, Path(tmp) / "run")
         plan = plan_run(cfg, World.of(cfg.launch))
-        dims, dev = train.start_processes(cfg, plan.dev_type)
+        dims, dev = train.start_processes(cfg, plan)
         torch.manual_seed(0)
         model, (total, _), _ = train.build_model(plan, dims, dev)
     optimizer = build_optimizer(model, cfg.optim)

@@ -20,16 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import models
-from parallelisms import build_parallel_dims, parallelize_qwen3_moe
 from parallelisms.dispatchers import DISPATCHERS, Dispatcher, base
 from tests.conftest import TINY_MODEL, compose_config, write_tokens
-from tests.dist_utils import debug_model_args
+from tests.test_dispatchers import installed_dispatchers
 from tests.test_simulate import _config, _run
 from training.config import validate
 from training.planner import PlanConfig, plan
@@ -124,26 +120,12 @@ def test_the_toy_takes_only_the_keys_it_declares(toy, monkeypatch):
     assert "toy2" not in DISPATCHERS
 
 
-def _parallelize(cfg) -> set[type]:
-    """The dispatchers parallelize installs for ``cfg`` on rank 1 of a fake 4-rank group (the model on meta:
-    nothing communicates)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    try:
-        dims = build_parallel_dims(cfg.parallel, 4, 1, "cpu")
-        spec = models.get_spec("qwen3_moe")
-        with torch.device("meta"):
-            model = spec.model_cls(debug_model_args())
-        parallelize_qwen3_moe(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
-        return {type(block.get_submodule(spec.experts).dispatcher) for block in model.get_submodule(spec.blocks)}
-    finally:
-        dist.destroy_process_group()
-
 
 def test_parallelize_installs_the_toy_within_its_layout(toy):
-    assert _parallelize(toy_config(["parallel=ep2"])) == {toy}
+    assert installed_dispatchers(toy_config(["parallel=ep2"])) == {toy}
     with pytest.raises(ValueError, match=r"^dispatcher=toy takes parallel.ep_size <= 2, got ep=4; use "
                                          r"dispatcher=fused$"):
-        _parallelize(toy_config(["parallel=ep4"]))
+        installed_dispatchers(toy_config(["parallel=ep4"]))
 
 
 # ----------------------------------------------------------------------------- the toy really sends what is planned

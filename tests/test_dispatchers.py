@@ -364,9 +364,13 @@ def test_register_adds_a_dispatcher_and_refuses_a_taken_name_or_a_non_dispatcher
                                                  (["dispatcher=dedup"], "dedup"),
                                                  (["dispatcher=capacity"], "capacity")])
 def test_parallelize_installs_the_dispatcher_group_s_dispatcher(overrides, expected):
-    # What train.py passes: cfg.dispatcher next to cfg.parallel. A fake 4-rank group builds the real meshes; the
-    # model stays on meta, so nothing communicates.
-    cfg = compose_config(["parallel=ep2", *overrides])
+    # What train.py passes: cfg.dispatcher next to cfg.parallel.
+    assert installed_dispatchers(compose_config(["parallel=ep2", *overrides])) == {DISPATCHERS[expected]}
+
+
+def installed_dispatchers(cfg) -> set[type]:
+    """The dispatchers parallelize installs for ``cfg`` on rank 1 of a fake 4-rank group, which builds the real
+    meshes (the model on meta: nothing communicates)."""
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
     try:
         dims = build_parallel_dims(cfg.parallel, 4, 1, "cpu")
@@ -374,11 +378,9 @@ def test_parallelize_installs_the_dispatcher_group_s_dispatcher(overrides, expec
         with torch.device("meta"):
             model = spec.model_cls(debug_model_args())
         parallelize_qwen3_moe(model, spec, dims, cfg.parallel, torch.float32, torch.float32, cfg.dispatcher)
-        installed = {type(block.get_submodule(spec.experts).dispatcher)
-                     for block in model.get_submodule(spec.blocks)}
+        return {type(block.get_submodule(spec.experts).dispatcher) for block in model.get_submodule(spec.blocks)}
     finally:
         dist.destroy_process_group()
-    assert installed == {DISPATCHERS[expected]}
 
 
 # Which local kernels run on NPU (torch_npu's permutes and grouped matmul, the loop for an expert without rows)

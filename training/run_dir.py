@@ -27,20 +27,17 @@ a run, so the retry starts.
 
 from __future__ import annotations
 
-import datetime
-import fcntl
 import json
 import logging
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from omegaconf import OmegaConf
 
-from core.files import atomic_write_text, remove, stale_temporaries
+from core.files import LockHeld, atomic_write_text, hold_lock_file, remove, stale_temporaries
 from training.checkpoint import (TRAIN_STATE, CheckpointError, damaged_message, linked_step_dirs, read_train_state,
                                  step_dirs, step_of, weights_record)
 from training.metrics import METRICS_FILE, read_step_lines
@@ -73,21 +70,11 @@ def lock_checkpoint_dir(ckpt_root: Path, run_dir: Path) -> IO[str]:
 
 def _hold(directory: Path, what: str, key: str, owner: str) -> IO[str]:
     directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / LOCK_FILE, "a+")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "a process that has not written its name yet"
-        handle.close()
-        raise CheckpointError(f"{what} is in use by another run ({holder}); wait for it to end, or give this "
+        return hold_lock_file(directory / LOCK_FILE, owner)
+    except LockHeld as e:
+        raise CheckpointError(f"{what} is in use by another run ({e.holder}); wait for it to end, or give this "
                               f"run another {key}") from None
-    handle.seek(0)
-    handle.truncate()
-    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}{owner}\n")
-    handle.flush()
-    return handle
 
 
 def outside(path: Path, directory: Path) -> bool:
