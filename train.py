@@ -65,7 +65,7 @@ def run_training(cfg: TrainConfig, run_scope: contextlib.ExitStack) -> list[dict
     model, param_counts, kernels = build_model(plan, dims, dev)
     optimizer = build_optimizer(model, cfg.optim)
     update = build_update(optimizer, model, cfg.optim.grad_clip)  # queued before the step's read, or after it
-    loader, val_batches = build_data(cfg, dims, plan.tokenizer, plan.model_args.vocab_size)
+    loader, val_batches = build_data(cfg, dims, plan)
     start = plan.start
     if start.checkpoint is not None:  # a resume: the model and optimizer first, then what the train state holds
         load_checkpoint(start.checkpoint, model, optimizer, start.state.get("files"))
@@ -226,11 +226,12 @@ def build_model(plan: RunPlan, dims: parallelisms.ParallelDims, dev: torch.devic
     return model, param_counts, kernels
 
 
-def build_data(cfg: TrainConfig, dims: parallelisms.ParallelDims, tokenizer: str | None, vocab_size: int):
-    """The training loader and the held-out batches (cp-sharded once, their images kept whole: every eval step reads
-    the same ones)."""
+def build_data(cfg: TrainConfig, dims: parallelisms.ParallelDims, plan: RunPlan):
+    """The training loader (chats with images read for a model with its vision tower: ``plan.vision``) and the
+    held-out batches (cp-sharded once, their images kept whole: every eval step reads the same ones)."""
     loader = build_data_loader(cfg.data, seed=cfg.train.seed, local_batch_size=cfg.train.local_batch_size,
-                               dp_rank=dims.dp_rank, dp_size=dims.dp, tokenizer=tokenizer, model_vocab_size=vocab_size)
+                               dp_rank=dims.dp_rank, dp_size=dims.dp, tokenizer=plan.tokenizer,
+                               model_vocab_size=plan.model_args.vocab_size, vision=plan.vision)
     val_batches = ([validation_shard(b, dims.cp_rank, dims.cp)
                     for b in loader.validation.batches(cfg.train.eval_batches)] if cfg.train.eval_every else [])
     return loader, val_batches
@@ -425,8 +426,9 @@ def finish(plan: RunPlan, run_dir: RunDir, model: torch.nn.Module, dims: paralle
                                               "with train.resume=auto to write the weights" if kept else
                                               "no checkpoint holds the last step (checkpoint.at_end=false)")) from e
     if cfg.checkpoint.export_hf_at_end:
-        export_hf(model, plan.spec.model_type, run_dir.path / "hf", extra_files=hf_tokenizer_files(plan.tokenizer),
-                  source=cfg.model.init_from, loaded=loaded)
+        processing = plan.vision.processing if plan.vision is not None else None  # the model's, for serving
+        export_hf(model, plan.spec.model_type, run_dir.path / "hf", source=cfg.model.init_from, loaded=loaded,
+                  extra_files=hf_tokenizer_files(plan.tokenizer, processing))
     run_dir.finished(last_step, dims.writer)
 
 

@@ -8,7 +8,8 @@ Reads the final ``model.safetensors`` (our names, fused experts, full tensors; c
 against its file record) with the config recorded in it (``model.model_type``, ``model.arch``); writes what
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads, with the run's tokenizer (``model.tokenizer``; the
 ``data.tokenizer`` of older runs) as ``tokenizer.json``, ``tokenizer_config.json`` (chat template) and
-``generation_config.json``, so ``AutoTokenizer`` and ``pipeline("text-generation")`` work on it. A run without one
+``generation_config.json``, so ``AutoTokenizer`` and ``pipeline("text-generation")`` work on it; a model with its
+vision tower also with ``preprocessor_config.json`` (the image processor, for ``AutoImageProcessor``). A run without one
 of our tokenizers (``none``, or pre-tokenized ids of another vocabulary) exports weights and config.json only, and
 says so; ``--tokenizer`` overrides the recorded one. The export replaces ``out-dir`` wholesale, so ``out-dir`` must be
 new, empty or an earlier export (its ``.hf_export.json`` lists its files); a run directory or any other folder
@@ -44,8 +45,10 @@ from training.checkpoint import (TRAIN_STATE, full_state_dict, load_checkpoint, 
                                  recorded_init_from, verified_weights_step)
 from training.data.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
 from training.data.tokenizer import TOKENIZERS  # noqa: E402
+from training.data.vision import ImageProcessing  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
 from training.run_dir import checkpoint_area, read_record  # noqa: E402
+from training.startup import model_vision  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,6 +129,14 @@ def run_tokenizer(config: dict, vocab_size: int, override: str | None) -> tuple[
     return name, f"with the {name} tokenizer"
 
 
+def image_processing(args: object, init_from: str | None, tokenizer: str | None) -> ImageProcessing | None:
+    """The image processor of a model with its vision tower, as train.py's export writes it (``RunPlan.vision``):
+    model.init_from's where it is still there with one, else Qwen3.5's published settings at the tower's sizes;
+    None without a tower or a tokenizer of ours."""
+    vision = model_vision(init_from if init_from and Path(init_from).is_dir() else None, args, tokenizer)
+    return vision.processing if vision is not None else None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="run directory, its model.safetensors, or a checkpoint directory")
@@ -155,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     step = weights_step(weights)  # the final weights are checked against their record first
     state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
     export_state_dict_hf(state, model_type, args, opts.out_dir, max_shard_bytes=opts.max_shard_bytes,
-                         dtype=DTYPES.get(opts.dtype), extra_files=hf_tokenizer_files(tokenizer), source=source,
+                         dtype=DTYPES.get(opts.dtype), source=source,
+                         extra_files=hf_tokenizer_files(tokenizer, image_processing(args, init_from, tokenizer)),
                          loaded=recorded_init_from(weights) if source is not None else None)
     if tokenizer is None and source is None:
         print(f"no tokenizer files written: {decided}; add that tokenizer's files to {opts.out_dir}")

@@ -2,7 +2,8 @@
 exact resume (held-out windows with images evaluated too), model.freeze_vision (the tower unchanged, no optimizer
 state), optim.vision_lr_scale (the tower's first update scaled), the tower loaded from and exported into a multimodal
 checkpoint's layout, and the export of a preset run loading in transformers' AutoModelForImageTextToText and
-generating from an image prompt the tokens our model does."""
+generating from an image prompt the tokens our model does. And train.py on chats with image files (data=jsonl): the
+images reach the tower, whose token ids must be the tokenizer's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from PIL import Image
 from safetensors.torch import load_file
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from torch.distributed.checkpoint import FileSystemReader
 
 import train
@@ -20,7 +23,9 @@ from models import build_args, get_spec
 from models.hf_io import export_hf
 from models.qwen3_5_moe.vision import vision_inputs
 from tests.conftest import compose_config, write_tokens
-from tests.vision_data import END, IMAGE, START, images_in_token_data, rope_index, vision_overrides
+from tests.vision_data import (END, IMAGE, START, image_chat_corpus, images_in_token_data, rope_index,
+                               vision_overrides)
+from training.data.vision import ImageProcessing, read_image_processing
 from training.startup import resolve_model
 
 TINY = ["model=qwen35_moe_debug", "model.arch.vocab_size=256", "model.arch.hidden_size=32",
@@ -168,3 +173,55 @@ def test_the_export_generates_from_an_image_what_our_model_does(data):
             logits = ours(ids, positions, images=images).logits
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert ids[0, prompt.shape[1]:].tolist() == out
+
+
+def jsonl_config(tmp: Path, run: str, *overrides: str):
+    """The debug preset with its tower on chats with image files (data=jsonl, Qwen3.5's tokenizer), images resized
+    to 1 .. 4 merged tokens."""
+    return compose_config([
+        "model=qwen35_moe_debug", "model.vision=true", "data=jsonl", f"data.path={image_chat_corpus(tmp)}",
+        "data.seq_len=64", "data.image_min_pixels=1024", "data.image_max_pixels=4096",
+        f"data.cache_dir={tmp / 'cache'}",
+        f"train.output_dir={tmp / run}", "train.local_batch_size=2", "optim.warmup_steps=0", "optim.lr=1e-2",
+        "optim.weight_decay=0", "logging.tensorboard=false", "train.device=cpu", "train.mixed_precision=fp32",
+        *overrides])
+
+
+def test_train_py_trains_the_tower_on_chats_with_image_files(tmp_path):
+    """train.run hands the loader the model's image processor and ids (``RunPlan.vision``): the chats' images reach
+    the tower, whose weights move (no weight decay: only a gradient moves them); the export serves its image
+    processor."""
+    run_windows = []
+    real = train.build_data_loader
+
+    def recording(*args, **kwargs):
+        loader = real(*args, **kwargs)
+        run_windows.append(loader)
+        return loader
+
+    train.run(jsonl_config(tmp_path, "init", "train.steps=0"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "build_data_loader", recording)
+        train.run(jsonl_config(tmp_path, "trained", "train.steps=3", "checkpoint.export_hf_at_end=true"))
+    assert run_windows and run_windows[0].vision is not None  # a multimodal corpus: every batch has the images' keys
+    before, after = (load_file(tmp_path / run / "model.safetensors") for run in ("init", "trained"))
+    tower = [name for name in before if name.startswith("visual.")]
+    assert tower and all(not torch.equal(before[name], after[name]) for name in tower), \
+        [name for name in tower if torch.equal(before[name], after[name])]
+    # The export carries the model's image processor (Qwen3.5's published settings at the tower's sizes): transformers'
+    # processor loads it and turns an image into the pixels ours does.
+    hf_dir = tmp_path / "trained" / "hf"
+    processing = read_image_processing(hf_dir)
+    assert processing == ImageProcessing.for_tower(patch_size=16, temporal_patch_size=2, merge_size=2)
+    image = Image.open(tmp_path / "img" / "wide.png").convert("RGB").resize((90, 70))
+    theirs = Qwen2VLImageProcessorPil.from_pretrained(hf_dir)(images=[image], return_tensors="np")
+    ours, grid = processing(image)
+    assert grid == tuple(theirs["image_grid_thw"][0]) and ours.tobytes() == theirs["pixel_values"].tobytes()
+
+
+def test_the_tokenizer_ids_must_be_the_towers(tmp_path):
+    cfg = jsonl_config(tmp_path, "ids", "model.arch.vision_config.image_token_id=248057")
+    with pytest.raises(ValueError, match=r"model\.arch\.vision_config\.image_token_id=248057 \(the qwen3_5 "
+                                         r"tokenizer's: 248056\): the model would not find the images"):
+        train.run(cfg)
+    assert not (tmp_path / "ids").exists()  # refused before anything is written

@@ -78,9 +78,8 @@ class SameWindows:
         return getattr(self._loader, name)
 
 
-def _same_data(cfg, dims, tokenizer, vocab_size):
-    loader, val = _build_data(cfg, parallelisms.ParallelDims(**{**vars(dims), "rank": 0, "dp": 1}), tokenizer,
-                              vocab_size)
+def _same_data(cfg, dims, plan):
+    loader, val = _build_data(cfg, parallelisms.ParallelDims(**{**vars(dims), "rank": 0, "dp": 1}), plan)
     return SameWindows(loader, dims.cp), val
 
 

@@ -24,6 +24,7 @@ from training.data.loader import build_data_loader
 from training.data.packing import context_shard
 from training.data.tokenize_shards import tokenize_to_shards
 from training.data.tokenizer import special_tokens
+from tests.vision_data import image_chat, image_chat_corpus, image_files, save_image
 from training.data.vision import (ImageProcessing, read_image_processing, rope_index, vision_for_model)
 
 transformers = pytest.importorskip("transformers")
@@ -51,42 +52,6 @@ def _hf_image_processor(p: ImageProcessing) -> Qwen2VLImageProcessorPil:
                                     merge_size=p.merge_size, size={"shortest_edge": p.min_pixels,
                                                                    "longest_edge": p.max_pixels},
                                     image_mean=list(p.image_mean), image_std=list(p.image_std))
-
-
-def _save(path: Path, w: int, h: int, mode: str = "RGB", seed: int = 0, **kw) -> Path:
-    rng = np.random.default_rng(seed)
-    bands = len(Image.new(mode, (1, 1)).getbands())
-    array = rng.integers(0, 256, (h, w, bands) if bands > 1 else (h, w), dtype=np.uint8)
-    image = Image.fromarray(array, "RGBA" if mode == "RGBA" else None).convert(mode)
-    image.save(path, **kw)
-    return path
-
-
-def _images(folder: Path) -> list[Path]:
-    """Three images of different sizes and modes: a wide RGB png, a tall RGBA png, a grayscale jpeg."""
-    folder.mkdir(parents=True, exist_ok=True)
-    return [_save(folder / "wide.png", 37, 13), _save(folder / "tall.png", 12, 29, "RGBA", 1),
-            _save(folder / "gray.jpg", 20, 20, "L", 2)]
-
-
-def _chat(i: int, images: list[str]) -> list[dict]:
-    parts = [{"type": "image", "image": image} for image in images]
-    return [{"role": "user", "content": [*parts[:1], {"type": "text", "text": f"What is in picture {i}?"},
-                                         *parts[1:]]},
-            {"role": "assistant", "content": "A pattern of dots " * (1 + i % 3)}]
-
-
-def _corpus(folder: Path, rows: int = 12) -> Path:
-    """Chats with zero to two images (paths relative to the file) between text documents."""
-    names = [p.name for p in _images(folder / "img")]
-    lines = []
-    for i in range(rows):
-        images = [f"img/{names[j % 3]}" for j in range(i, i + i % 3)]
-        lines.append(json.dumps({"messages": _chat(i, images)}))
-        lines.append(json.dumps({"text": f"A text document {i}, " + "words " * (i % 5)}))
-    path = folder / "chats.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _cfg(path: Path, **kw) -> DataConfig:
@@ -131,12 +96,12 @@ def test_pixels_equal_transformers_image_processor(tmp_path: Path) -> None:
     """Every size, mode and EXIF orientation, at the tiny settings and at Qwen3.5's published ones read from a
     preprocessor_config.json: pixel_values bit for bit and image_grid_thw as transformers' PIL processor gives them
     for the image its load_image opens."""
-    paths = _images(tmp_path)
-    paths += [_save(tmp_path / "palette.gif", 9, 5, "P", 3), _save(tmp_path / "cmyk.jpg", 50, 8, "CMYK", 4),
-              _save(tmp_path / "one.png", 3, 70, "1", 5)]
+    paths = image_files(tmp_path)
+    paths += [save_image(tmp_path / "palette.gif", 9, 5, "P", 3), save_image(tmp_path / "cmyk.jpg", 50, 8, "CMYK", 4),
+              save_image(tmp_path / "one.png", 3, 70, "1", 5)]
     exif = Image.Exif()
     exif[0x0112] = 6  # rotated: width and height swap
-    paths.append(_save(tmp_path / "rotated.jpg", 30, 10, seed=6, exif=exif))
+    paths.append(save_image(tmp_path / "rotated.jpg", 30, 10, seed=6, exif=exif))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "preprocessor_config.json").write_text(json.dumps(PUBLISHED))
     published = read_image_processing(tmp_path / "model")
@@ -182,7 +147,7 @@ def test_chats_render_and_process_like_transformers(tmp_path: Path, processor) -
     """Each chat's ids and images in the tokenized corpus are transformers' Qwen3VLProcessor.apply_chat_template's
     (the exported chat template, images expanded to their tokens), then <|endoftext|>; the image tokens are never
     trained."""
-    path = _corpus(tmp_path)
+    path = image_chat_corpus(tmp_path)
     vision = _vision()
     corpus = tokenized_corpus(_cfg(path), "qwen3_5", vision)
     hf = processor(vision.processing)
@@ -214,7 +179,7 @@ def test_chats_render_and_process_like_transformers(tmp_path: Path, processor) -
 def test_rope_index_equals_transformers_per_document(processor, tmp_path: Path) -> None:
     """Rows 1..3 of a single document are transformers' Qwen3.5-MoE get_rope_index; packed after another document
     (row 0 restarting), each document keeps its own."""
-    paths = _images(tmp_path)
+    paths = image_files(tmp_path)
     hf = processor(_vision().processing)
     messages = [{"role": "user", "content": [{"type": "image", "image": str(paths[0])},
                                              {"type": "text", "text": "and"}, {"type": "image", "image": str(paths[1])},
@@ -251,7 +216,7 @@ def test_windows_keep_images_whole_and_yield_the_interface(tmp_path: Path) -> No
     """Every window of an epoch: the interface's keys and shapes, each image's tokens whole (its pad tokens are its
     grid's / merge**2, between its start and end), pixel rows in token order, no image token trained, the padding
     of a window an image cut short untrained and a document of its own; every image of the corpus is seen."""
-    cfg = _cfg(_corpus(tmp_path), seq_len=48)
+    cfg = _cfg(image_chat_corpus(tmp_path), seq_len=48)
     loader = _loader(cfg, batch=1)
     vision = loader.vision
     records = tokenized_corpus(cfg, "qwen3_5", vision).images
@@ -308,7 +273,7 @@ def test_the_layout_never_cuts_an_image_on_random_streams() -> None:
 def test_a_stream_without_images_is_cut_as_text(tmp_path: Path) -> None:
     """Text-only data under a vision model yields exactly the text windows and keys (no image anywhere: the text
     model runs alone)."""
-    path = _corpus(tmp_path)
+    path = image_chat_corpus(tmp_path)
     text = tmp_path / "text.jsonl"
     text.write_text("".join(line + "\n" for line in path.read_text().splitlines() if line.startswith('{"text"')) * 3)
     ours, plain = _loader(_cfg(text, seq_len=16)), _loader(_cfg(text, seq_len=16), vision=None)
@@ -319,7 +284,7 @@ def test_a_stream_without_images_is_cut_as_text(tmp_path: Path) -> None:
 
 
 def test_multimodal_resume_is_exact_and_cp_keeps_images_whole(tmp_path: Path) -> None:
-    cfg = _cfg(_corpus(tmp_path), seq_len=48, val_fraction=0.2)
+    cfg = _cfg(image_chat_corpus(tmp_path), seq_len=48, val_fraction=0.2)
     loader = _loader(cfg, seed=3)
     _windows(loader, 5)  # past an epoch's end
     state = loader.state_dict()
@@ -335,7 +300,7 @@ def test_multimodal_resume_is_exact_and_cp_keeps_images_whole(tmp_path: Path) ->
 
 
 def test_an_image_longer_than_a_window_is_refused_by_name(tmp_path: Path) -> None:
-    cfg = _cfg(_corpus(tmp_path), seq_len=11)  # the wide image: 1 x 4 x 10 patches = 10 tokens + start + end
+    cfg = _cfg(image_chat_corpus(tmp_path), seq_len=11)  # the wide image: 1 x 4 x 10 patches = 10 tokens + start + end
     with pytest.raises(ValueError, match=r"chats\.jsonl line 5: image img/wide\.png \(.*\): the image becomes 12 "
                                          r"tokens .* more than a window of data.seq_len=11: raise data.seq_len, or "
                                          r"lower data.image_max_pixels"):
@@ -348,7 +313,7 @@ def test_an_image_longer_than_a_window_is_refused_by_name(tmp_path: Path) -> Non
 def _one(tmp_path: Path, part: dict, role: str = "user") -> DataConfig:
     row = {"messages": [{"role": role, "content": [part, {"type": "text", "text": "what?"}]},
                         {"role": "assistant", "content": "that"}]}
-    good = {"messages": _chat(0, [])}
+    good = {"messages": image_chat(0, [])}
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(good) + "\n\n" + json.dumps(row) + "\n" + json.dumps(good) + "\n")
     return _cfg(path, seq_len=16)
@@ -358,11 +323,11 @@ def _one(tmp_path: Path, part: dict, role: str = "user") -> DataConfig:
     (lambda d: "nope.png", r"image nope\.png \(.*nope\.png\): missing: no such file"),
     (lambda d: (d / "junk.png").write_bytes(b"not an image") and "junk.png",
      r"image junk\.png \(.*\): corrupt or not an image: Pillow recognises no image format in it"),
-    (lambda d: (d / "cut.png").write_bytes(_save(d / "whole.png", 30, 30).read_bytes()[:300]) and "cut.png",
+    (lambda d: (d / "cut.png").write_bytes(save_image(d / "whole.png", 30, 30).read_bytes()[:300]) and "cut.png",
      r"image cut\.png \(.*\): corrupt: decoding failed \(image file is truncated"),
     (lambda d: Image.fromarray(np.full((4, 4), 40000, dtype=np.uint16)).save(d / "deep.png") or "deep.png",
      r"image deep\.png \(.*\): has mode I;16 \(high bit depth\), which does not convert faithfully to 8-bit RGB"),
-    (lambda d: _save(d / "big.png", 64, 64).name, r"image big\.png \(.*\): 64x64 = 4,096 pixels, more than "
+    (lambda d: save_image(d / "big.png", 64, 64).name, r"image big\.png \(.*\): 64x64 = 4,096 pixels, more than "
                                                   r"data.max_image_pixels=4,000; downscale it, or raise"),
     (lambda d: _animated(d / "anim.gif").name, r"image anim\.gif \(.*\): has 2 frames \(an animation"),
     (lambda d: "https://example.com/a.png", r"image https://example.com/a.png: a URL or inline data: images are read "
@@ -388,7 +353,7 @@ def _animated(path: Path) -> Path:
     ({"type": "image", "image": "a.png"}, "assistant", r"is an image in an assistant turn"),
 ], ids=["video", "image_url", "extra_key", "assistant_image"])
 def test_parts_that_would_be_dropped_are_refused(tmp_path: Path, part: dict, role: str, expected: str) -> None:
-    _save(tmp_path / "a.png", 8, 8)
+    save_image(tmp_path / "a.png", 8, 8)
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": role, "content": [part]}]}))
     with pytest.raises(ValueError, match=rf"p\.jsonl line 1: messages\[1\]\.content\[0\] {expected}"):
@@ -396,10 +361,10 @@ def test_parts_that_would_be_dropped_are_refused(tmp_path: Path, part: dict, rol
 
 
 def test_an_image_changed_under_the_run_stops_it_and_a_new_start_retokenizes(tmp_path: Path, caplog) -> None:
-    cfg = _cfg(_corpus(tmp_path), seq_len=48)
+    cfg = _cfg(image_chat_corpus(tmp_path), seq_len=48)
     loader = _loader(cfg, batch=4)
     identity = loader.state_dict()["data"]
-    _save(tmp_path / "img" / "gray.jpg", 20, 20, "L", seed=9)  # same size, other pixels
+    save_image(tmp_path / "img" / "gray.jpg", 20, 20, "L", seed=9)  # same size, other pixels
     with pytest.raises(ValueError, match=r"chats\.jsonl line \d+: image img/gray\.jpg \(.*\): changed since the corpus "
                                          r"was tokenized"):
         for _ in range(loader.num_windows):
@@ -416,7 +381,7 @@ def test_an_image_changed_under_the_run_stops_it_and_a_new_start_retokenizes(tmp
 
 
 def test_image_chats_without_a_vision_tower_are_refused_by_name(tmp_path: Path) -> None:
-    cfg = _cfg(_corpus(tmp_path))
+    cfg = _cfg(image_chat_corpus(tmp_path))
     with pytest.raises(ValueError, match=r"chats\.jsonl line 3: an image part \('img/tall\.png'\): images are trained "
                                          r"only by data=jsonl for a model with a vision tower .*: here the chat would "
                                          r"train as text with the image dropped"):
@@ -476,7 +441,7 @@ def test_images_are_recorded_beside_their_shards_and_a_resume_checks_them(tmp_pa
     whose records file is gone or changed is tokenized again."""
     from training.data.tokenize_shards import JsonlCorpus, images_file
 
-    path = _corpus(tmp_path)
+    path = image_chat_corpus(tmp_path)
     with path.open("a") as f:  # a last shard of text only
         f.write("".join(json.dumps({"text": f"more text {i}"}) + "\n" for i in range(5)))
     corpus = JsonlCorpus(path, _vision())

@@ -1,7 +1,8 @@
-"""Windows with images for the model tests, built by hand as the loader yields them for data with images
-(``docs/data.md``): until the image data lands, ``WithImages`` wraps the token loader of ``data=tokens`` and puts an
-image into some rows of each window, with ``pixel_values``, ``image_grid_thw`` and [4, B, T] position ids whose rows
-1..3 are the 3-D rope positions (``rope_index``, checked against transformers' ``get_rope_index``).
+"""Images for the tests. Chats with image files (``image_chat_corpus``: what ``data=jsonl`` reads for a model with
+its tower). And windows with images built by hand as the loader yields them (``docs/data.md``), for the models on the
+synthetic 256-token vocabulary, whose ``data=tokens`` holds no image: ``WithImages`` wraps that token loader and puts
+an image into some rows of each window, with ``pixel_values``, ``image_grid_thw`` and [4, B, T] position ids whose
+rows 1..3 are the 3-D rope positions (``rope_index``, checked against transformers' ``get_rope_index``).
 
 Each row's image (whether it has one, its grid, its pixels, where it goes) follows from the row's tokens alone, so
 every layout and a resume see the same images in the same rows whatever rank reads them.
@@ -10,12 +11,15 @@ every layout and a resume see the same images in the same rows whatever rank rea
 from __future__ import annotations
 
 import contextlib
+import json
 import types
 import zlib
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
+from PIL import Image
 
 from core.constants import IGNORE_INDEX
 
@@ -118,3 +122,39 @@ def images_in_token_data(vision: Any) -> Iterator[None]:
         yield
     finally:
         train.build_data_loader = real
+
+
+def save_image(path: Path, w: int, h: int, mode: str = "RGB", seed: int = 0, **kw) -> Path:
+    rng = np.random.default_rng(seed)
+    bands = len(Image.new(mode, (1, 1)).getbands())
+    array = rng.integers(0, 256, (h, w, bands) if bands > 1 else (h, w), dtype=np.uint8)
+    image = Image.fromarray(array, "RGBA" if mode == "RGBA" else None).convert(mode)
+    image.save(path, **kw)
+    return path
+
+
+def image_files(folder: Path) -> list[Path]:
+    """Three images of different sizes and modes: a wide RGB png, a tall RGBA png, a grayscale jpeg."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return [save_image(folder / "wide.png", 37, 13), save_image(folder / "tall.png", 12, 29, "RGBA", 1),
+            save_image(folder / "gray.jpg", 20, 20, "L", 2)]
+
+
+def image_chat(i: int, images: list[str]) -> list[dict]:
+    parts = [{"type": "image", "image": image} for image in images]
+    return [{"role": "user", "content": [*parts[:1], {"type": "text", "text": f"What is in picture {i}?"},
+                                         *parts[1:]]},
+            {"role": "assistant", "content": "A pattern of dots " * (1 + i % 3)}]
+
+
+def image_chat_corpus(folder: Path, rows: int = 12) -> Path:
+    """Chats with zero to two images (paths relative to the file) between text documents."""
+    names = [p.name for p in image_files(folder / "img")]
+    lines = []
+    for i in range(rows):
+        images = [f"img/{names[j % 3]}" for j in range(i, i + i % 3)]
+        lines.append(json.dumps({"messages": image_chat(i, images)}))
+        lines.append(json.dumps({"text": f"A text document {i}, " + "words " * (i % 5)}))
+    path = folder / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -31,6 +31,7 @@ from training.checkpoint import save_sizes, space_warnings
 from training.config import (TrainConfig, check_resume_config, config_warnings, flat_config, input_paths,
                              schema_defaults, validate)
 from training.data.hf_tokenizer import check_export_requirements, run_tokenizer
+from training.data.vision import VisionData, vision_for_model
 from training.launch import LaunchConfig, one_line_errors
 from training.metrics import MetricLogger
 from training.planner import fit_warnings
@@ -67,6 +68,7 @@ class RunPlan:
     spec: models.ModelSpec
     model_args: Any
     tokenizer: str | None  # the data's and the export's (training.data.hf_tokenizer.run_tokenizer)
+    vision: VisionData | None  # what the loader needs of the vision tower (``model_vision``); None: text data only
     dev_type: str
     world: World
     run_dir: Path
@@ -111,10 +113,10 @@ class RunPlan:
         plan = dataclasses.replace(self, run_dir=path, ckpt_root=checkpoint_root(self.cfg, path), start=start)
         if start.resumed_config == self.start.resumed_config:
             return plan
-        spec, model_args, tokenizer = check_config(self.cfg, self.world.size, start.resumed_config)
+        spec, model_args, tokenizer, vision = check_config(self.cfg, self.world.size, start.resumed_config)
         run_config, resolved = recorded_config(self.cfg, spec, model_args, tokenizer)
-        return dataclasses.replace(plan, spec=spec, model_args=model_args, tokenizer=tokenizer, resolved=resolved,
-                                   run_config=run_config)
+        return dataclasses.replace(plan, spec=spec, model_args=model_args, tokenizer=tokenizer, vision=vision,
+                                   resolved=resolved, run_config=run_config)
 
     def _continues(self, run_dir: RunDir, log: bool) -> bool:
         """Whether there is anything to train: a resume (or a restart of a run that wrote no checkpoint) must train
@@ -159,18 +161,20 @@ def plan_run(cfg: TrainConfig, world: World) -> RunPlan:
     start = find_start(cfg.train.resume, cfg.train.discard_newer, ckpt_root, run_dir)  # the run directory checked
     if cfg.checkpoint.dir:
         check_checkpoint_dir(ckpt_root, run_dir)
-    spec, model_args, tokenizer = check_config(cfg, world.size, start.resumed_config)
+    spec, model_args, tokenizer, vision = check_config(cfg, world.size, start.resumed_config)
     run_config, resolved = recorded_config(cfg, spec, model_args, tokenizer)
     dp = parallelisms.resolve_sizes(cfg.parallel, world.size).dp
-    return RunPlan(cfg, resolved, spec, model_args, tokenizer, device.device_type(cfg.train.device), world, run_dir,
-                   ckpt_root, start, run_config, cfg.train.local_batch_size * cfg.train.grad_accum_steps * dp)
+    return RunPlan(cfg, resolved, spec, model_args, tokenizer, vision, device.device_type(cfg.train.device), world,
+                   run_dir, ckpt_root, start, run_config,
+                   cfg.train.local_batch_size * cfg.train.grad_accum_steps * dp)
 
 
 def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | None = None
-                 ) -> tuple[models.ModelSpec, Any, str | None]:
+                 ) -> tuple[models.ModelSpec, Any, str | None, VisionData | None]:
     """The model, its tokenizer and the layout: the spec and hyper-parameters this start builds (``resumed``: the
-    config of the checkpoint being resumed) and the tokenizer, checked against each other, the export and the
-    layout of ``world_size`` processes. (``validate`` has checked each group on its own.)"""
+    config of the checkpoint being resumed), the tokenizer and what the loader needs of the vision tower
+    (``model_vision``), checked against each other, the export and the layout of ``world_size`` processes.
+    (``validate`` has checked each group on its own.)"""
     source = cfg.model.init_from  # what the export carries, a resume's too (as_resumed builds from the checkpoint)
     cfg = as_resumed(cfg, resumed)
     spec, model_args = resolve_model(cfg)
@@ -185,7 +189,27 @@ def check_config(cfg: TrainConfig, world_size: int, resumed: dict[str, Any] | No
                                           heads=spec.cp_head_counts(model_args), seq_len=cfg.data.seq_len)
     check_balanced_routing(model_args, cfg.parallel.cp_size, cfg.data.seq_len)
     check_mtp_trains(model_args, cfg.data.seq_len)
-    return spec, model_args, tokenizer
+    return spec, model_args, tokenizer, model_vision(cfg.model.init_from, model_args, tokenizer)
+
+
+def model_vision(init_from: str | None, model_args: Any, tokenizer: str | None) -> VisionData | None:
+    """What the loader needs of the model's vision tower to read chats with images (``data=jsonl``): the image
+    processor (``init_from``'s preprocessor_config.json, else Qwen3.5's published settings at the tower's sizes) and
+    the tokenizer's image token ids, which must be the ones the model looks for. None without a tower (text only:
+    images in the data are refused by name) or without a tokenizer of ours (pre-tokenized ids hold no images)."""
+    tower = getattr(model_args, "vision_config", None)
+    if tower is None or tokenizer is None:
+        return None
+    vision = vision_for_model(init_from, tokenizer, patch_size=tower.patch_size,
+                              temporal_patch_size=tower.temporal_patch_size, merge_size=tower.spatial_merge_size)
+    ours = {"image_token_id": vision.image_token_id, "vision_start_token_id": vision.vision_start_token_id,
+            "vision_end_token_id": vision.vision_end_token_id}
+    wrong = [f"model.arch.vision_config.{k}={getattr(tower, k)} (the {tokenizer} tokenizer's: {v})"
+             for k, v in ours.items() if getattr(tower, k) != v]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: the model would not find the images the data puts in its windows; "
+                         "set the tokenizer's ids")
+    return vision
 
 
 def resolve_model(cfg: TrainConfig) -> tuple[models.ModelSpec, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from training.data.tokenizer import (CHAT_ROLES, PUBLISHED_VOCAB_SIZES, TOKENIZERS, bpe_ranks, special_tokens,
                                      split_pattern, vocab_size)
+from training.data.vision import ImageProcessing, write_preprocessor_config
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +158,20 @@ def write_hf_tokenizer(name: str, out_dir: str | os.PathLike) -> None:
         _write_json(config_path, {**config, **hf_config_token_ids(name)})
 
 
-def hf_tokenizer_files(name: str | None) -> Callable[[Path], None] | None:
-    """The export's ``extra_files`` hook for tokenizer ``name`` (None: no tokenizer files)."""
-    return None if name is None else functools.partial(write_hf_tokenizer, name)
+def hf_tokenizer_files(name: str | None, image_processing: ImageProcessing | None = None
+                       ) -> Callable[[Path], None] | None:
+    """The export's ``extra_files`` hook: tokenizer ``name``'s files (None: none) and, for a model with its vision
+    tower, ``image_processing``'s preprocessor_config.json (None: none)."""
+    if name is None and image_processing is None:
+        return None
+
+    def write(out: Path) -> None:
+        if name is not None:
+            write_hf_tokenizer(name, out)
+        if image_processing is not None:
+            write_preprocessor_config(image_processing, out)
+
+    return write
 
 
 # ---------------------------------------------------------------------------------- a directory's tokenizer

@@ -23,7 +23,7 @@ import io
 import json
 import math
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,15 @@ class ImageProcessing:
     def key(self) -> str:
         """The settings as one string (a cache key)."""
         return json.dumps(asdict(self), sort_keys=True)
+
+    def preprocessor_config(self) -> dict[str, Any]:
+        """The preprocessor_config.json that ``read_image_processing`` reads back as these settings and transformers'
+        Qwen2-VL image processor loads (Qwen3.5's published file's keys), for an export to be served."""
+        return {"size": {"longest_edge": self.max_pixels, "shortest_edge": self.min_pixels},
+                "patch_size": self.patch_size, "temporal_patch_size": self.temporal_patch_size,
+                "merge_size": self.merge_size, "image_mean": list(self.image_mean), "image_std": list(self.image_std),
+                "rescale_factor": self.rescale_factor, "resample": self.resample,
+                "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast"}
 
     @functools.cached_property
     def _normalized(self) -> np.ndarray:
@@ -213,6 +222,27 @@ class VisionData:
         return f"{self.processing.key()}|{self.token_ids}|max_image_pixels={self.max_image_pixels}"
 
 
+def tower_processing(init_from: str | Path | None, *, patch_size: int, temporal_patch_size: int,
+                     merge_size: int) -> ImageProcessing:
+    """The image processor of a model whose vision tower has these sizes: ``init_from``'s preprocessor_config.json
+    where the directory has one (its sizes must be the tower's), else ``ImageProcessing.for_tower``."""
+    tower = {"patch_size": patch_size, "temporal_patch_size": temporal_patch_size, "merge_size": merge_size}
+    path = Path(init_from) / "preprocessor_config.json" if init_from is not None else None
+    if path is None or not path.is_file():
+        return ImageProcessing.for_tower(**tower)
+    processing = read_image_processing(path.parent)
+    wrong = [f"{k}={getattr(processing, k)} (the tower's {v})" for k, v in tower.items() if getattr(processing, k) != v]
+    if wrong:
+        raise ValueError(f"{path}: {', '.join(wrong)}: the image processor does not fit the model's vision tower "
+                         "(config.json's vision_config); fix one of the two")
+    return processing
+
+
+def write_preprocessor_config(processing: ImageProcessing, out_dir: Path) -> None:
+    """``out_dir``/preprocessor_config.json of ``processing`` (an export's, for AutoImageProcessor)."""
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(processing.preprocessor_config(), indent=2) + "\n")
+
+
 def vision_for_model(init_from: str | Path | None, tokenizer: str, *, patch_size: int, temporal_patch_size: int,
                      merge_size: int) -> VisionData:
     """The ``VisionData`` of a model whose vision tower has these sizes: ``init_from``'s preprocessor_config.json
@@ -220,22 +250,13 @@ def vision_for_model(init_from: str | Path | None, tokenizer: str, *, patch_size
     of ``tokenizer`` (config.json's image_token_id, vision_start_token_id and vision_end_token_id must agree)."""
     from training.data.tokenizer import special_tokens
 
-    tower = {"patch_size": patch_size, "temporal_patch_size": temporal_patch_size, "merge_size": merge_size}
-    processing = ImageProcessing.for_tower(**tower)
+    processing = tower_processing(init_from, patch_size=patch_size, temporal_patch_size=temporal_patch_size,
+                                  merge_size=merge_size)
     ids = special_tokens(tokenizer)
     vision = VisionData(processing, ids["<|image_pad|>"], ids["<|vision_start|>"], ids["<|vision_end|>"],
                         ids["<|endoftext|>"])
-    if init_from is None:
-        return vision
-    d = Path(init_from)
-    if (d / "preprocessor_config.json").is_file():
-        processing = read_image_processing(d)
-        wrong = [f"{k}={getattr(processing, k)} (the tower's {v})" for k, v in tower.items()
-                 if getattr(processing, k) != v]
-        if wrong:
-            raise ValueError(f"{d / 'preprocessor_config.json'}: {', '.join(wrong)}: the image processor does not fit "
-                             "the model's vision tower (config.json's vision_config); fix one of the two")
-    if (d / "config.json").is_file():
+    d = Path(init_from) if init_from is not None else None
+    if d is not None and (d / "config.json").is_file():
         config = _read_json(d / "config.json")
         ours = {"image_token_id": vision.image_token_id, "vision_start_token_id": vision.vision_start_token_id,
                 "vision_end_token_id": vision.vision_end_token_id}
@@ -244,7 +265,7 @@ def vision_for_model(init_from: str | Path | None, tokenizer: str, *, patch_size
         if wrong:
             raise ValueError(f"{d / 'config.json'}: {', '.join(wrong)}: the model's image tokens are not the "
                              "tokenizer's")
-    return replace(vision, processing=processing)
+    return vision
 
 
 # ------------------------------------------------------------------------------------------------ image files
