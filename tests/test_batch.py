@@ -6,6 +6,7 @@ text row, the images whole on every cp rank, each rank's image tokens its shard'
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models import build_args
@@ -99,7 +100,9 @@ def test_multimodal_windows_documents_from_the_text_row_and_images_whole_on_ever
     plain, = prepare_batches([text], VISION_ARGS, cp_rank=0, cp=1, dev=CPU, mtp=True)
     assert torch.equal(whole.packed.lengths_n, plain.packed.lengths_n)  # [7, 5, 10, 2]: row 0 of [4, B, T]
     assert torch.equal(whole.mtp.labels_BT, plain.mtp.labels_BT)  # the MTP shift's document ends likewise
-    assert whole.attended_flops == plain.attended_flops
+    # the same documents; the tower's FLOPs on the images added, over the window's tokens
+    tower = sum(n * VISION_ARGS.vision_config.flops_per_patch(n) for n in (8, 16))
+    assert whole.attended_flops == pytest.approx(plain.attended_flops + tower / 24, rel=1e-12)
     assert plain.images is None and whole.images.token_rows_n is None  # text data: no images; one rank: all tokens
     tokens_UD = torch.arange(1, 7, dtype=torch.float)[:, None]  # the window's 6 merged tokens, told apart
     want_BT1 = insert_images(torch.zeros(2, 12, 1), tokens_UD, whole.images)
@@ -115,8 +118,6 @@ def test_multimodal_windows_documents_from_the_text_row_and_images_whole_on_ever
 
 
 def test_a_window_whose_pad_tokens_do_not_count_its_images_or_a_model_without_a_tower_is_refused() -> None:
-    import pytest
-
     window = _image_window()
     window["image_grid_thw"] = torch.tensor([[1, 2, 4], [1, 2, 4]])
     window["pixel_values"] = window["pixel_values"][:16]

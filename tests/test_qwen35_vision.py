@@ -198,6 +198,43 @@ def test_vision_config_checks_name_the_key(key, value, match) -> None:
     assert build_args("qwen3_5_moe", arch).vision_config is None  # not built (model.vision=false): not checked
 
 
+def test_flops_per_patch_is_what_torch_counts_and_the_attended_flops_add_it() -> None:
+    """The tower's training FLOPs (``VisionArgs.flops_per_patch``, what the planner's time and the attended MFU use)
+    equal torch's FlopCounterMode over its forward and backward on two images of different sizes; a window's
+    attended FLOPs per token grow by them over its tokens, and a window without images adds none."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.qwen3_5_moe.vision import VisionModel
+    from training.batch import prepare_batches
+
+    args = build_args("qwen3_5_moe", {**ARCH, "vision_config": {**VISION, **TOKENS}}, vision=True)
+    tower = VisionModel(args.vision_config)
+    for p in tower.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    grid = torch.tensor([[1, 8, 12], [1, 4, 4]])
+    J = int(grid.prod(1).sum())
+    pixels = torch.randn(J, args.vision_config.patch_dim)
+    images = vision_inputs(pixels, grid, args.vision_config, torch.device("cpu"), torch.arange(J // 4))
+    with FlopCounterMode(display=False) as counter:
+        tower(images).sum().backward()
+    per_image = [int(g.prod()) * args.vision_config.flops_per_patch(int(g.prod())) for g in grid]
+    assert sum(per_image) == counter.get_total_flops()
+
+    B, T = 2, 64
+    ids = torch.randint(0, 100, (B, T))
+    ids[0, 3:3 + J // 4] = args.vision_config.image_token_id
+    window = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(T).expand(B, T).contiguous()}
+    window["position_ids"] = torch.cat([window["position_ids"][None]] * 4)
+    with_images = {**window, "pixel_values": pixels, "image_grid_thw": grid}
+    without = {**window, "input_ids": torch.randint(0, 100, (B, T)), "pixel_values": pixels[:0],
+               "image_grid_thw": grid[:0]}
+    text = {k: window[k] for k in ("input_ids", "labels")} | {"position_ids": window["position_ids"][0]}
+    cpu = torch.device("cpu")
+    (a,), (b,), (c,) = (prepare_batches([w], args, 0, 1, cpu, mtp=False) for w in (with_images, without, text))
+    assert a.attended_flops - c.attended_flops == pytest.approx(sum(per_image) / (B * T), rel=1e-12)
+    assert b.attended_flops == c.attended_flops
+
+
 def test_the_planner_counts_the_towers_units_activations_and_time() -> None:
     from tests.conftest import compose_config
     from training.planner import PlanConfig, build_meta_model, plan

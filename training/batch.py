@@ -14,7 +14,7 @@ from models.causal_lm import MtpBatch, mtp_batch, trained_rows
 from models.layers import KnownDocuments, known_documents
 from models.qwen3_5_moe.vision import VisionInputs, vision_inputs
 from training.data.packing import context_shard
-from training.metrics import attended_flops_per_token
+from training.metrics import attended_flops_per_token, tower_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class Batch:
     packed: KnownDocuments | bool  # the whole rows' documents (models.layers.known_documents), or False: one a row
     trained_rows: torch.Tensor | None  # the labels the LM head computes (models.causal_lm.trained_rows)
     mtp: MtpBatch | None  # what the MTP head reads and predicts, where it trains
-    attended_flops: float  # FLOPs per token over the attention pairs and LM-head rows computed (training.metrics)
+    # FLOPs per token over the attention pairs and LM-head rows computed, and the vision tower's (training.metrics)
+    attended_flops: float
     # The window's images (all of them, on every cp rank: models.qwen3_5_moe.vision.vision_inputs), a dummy where a
     # window of data with images has none; None for data without images (the text model runs alone)
     images: VisionInputs | None = None
@@ -72,6 +73,8 @@ def prepare_batches(windows: list[dict[str, torch.Tensor]], model_args: Any, cp_
             window = {**window, **mtp_batch(window["input_ids"], window["labels"], window["position_ids"])}
         shard = context_shard(window, cp_rank, cp)  # 3
         images = None if pixels is None else window_images(window["input_ids"], *pixels, model_args, cp_rank, cp, dev)
+        if pixels is not None:  # and the tower's on the window's images (run whole on every cp rank, counted once)
+            attended += tower_flops_per_token(model_args.vision_config, pixels[1], window["input_ids"].numel())
         on_dev = to_device(shard, dev)  # 4
         batches.append(Batch(
             on_dev["input_ids"], on_dev["position_ids"], on_dev["labels"], packed,

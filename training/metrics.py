@@ -207,6 +207,13 @@ def attended_flops_per_token(args: Any, packed: KnownDocuments | bool, shape_BT:
             + per_pair * lengths_n.double().square().sum().item() / 2 / (rows * seq_len))
 
 
+def tower_flops_per_token(vision_args: Any, grid_thw_A3: torch.Tensor, tokens: int) -> float:
+    """Training FLOPs of the vision tower on a window's images (``grid_thw_A3``, host; each frame one attention
+    segment: ``flops_per_patch``) per token of the ``tokens`` of the window: what the attended MFU adds for data with
+    images. A window without any counts none (its dummy image is no useful work)."""
+    return sum(t * h * w * vision_args.flops_per_patch(h * w) for t, h, w in grid_thw_A3.tolist()) / tokens
+
+
 def routing_summary(stats: list[RouterStats]) -> torch.Tensor:
     """[L, 2E + 3] per MoE layer: routed slots per expert, router probability sums per expert, entropy sum, sum of
     squared router logsumexps (z), token count (no grad, stays on device: no tensor from host data, whose copy

@@ -87,13 +87,14 @@ class VisionArgs:
         return self.patch_dim * D + D + self.num_position_embeddings * D + self.depth * block + merger
 
     def flops_per_patch(self, image_patches: int) -> float:
-        """Training FLOPs per patch (forward + backward, 3 x forward): 6 x the matmul parameters each patch passes
-        (patch embedding, blocks; the merger's once per merged token), plus attention over an image of
-        ``image_patches`` patches, 12 x hidden x image_patches per block (scores and values, no causal halving)."""
+        """Training FLOPs per patch: 6 x the matmul parameters each patch passes (forward, and backward's input and
+        weight gradients) in the blocks and the merger (once per merged token), 4 x the patch embedding's (the pixels
+        need no gradient), plus attention over an image of ``image_patches`` patches, 12 x hidden x image_patches per
+        block (scores and values, no causal halving). What torch's FlopCounterMode counts for the tower's forward
+        and backward (tests/test_qwen35_vision.py)."""
         D, I, M = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
-        matmuls = self.patch_dim * D + self.depth * (4 * D * D + 2 * D * I) + (M * M + M * self.out_hidden_size) // \
-            self.merge_unit
-        return 6 * matmuls + 12 * self.depth * D * image_patches
+        matmuls = self.depth * (4 * D * D + 2 * D * I) + (M * M + M * self.out_hidden_size) // self.merge_unit
+        return 6 * matmuls + 4 * self.patch_dim * D + 12 * self.depth * D * image_patches
 
 
 @dataclass
