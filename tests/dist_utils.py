@@ -85,6 +85,14 @@ DEBUG_ARCH = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_atten
                   router_aux_loss_coef=0.01)
 
 
+def run_train(rank: int, world_size: int, cfg: Any) -> list[dict]:
+    """A rank of ``run_distributed`` that runs train.run(cfg): for tests whose own module cannot be a rank's (one
+    importing transformers before tests.conftest has set its import of ``kernels`` right)."""
+    import train
+
+    return train.run(cfg)
+
+
 def fsdp_param_groups(state) -> list:
     """An FSDP unit's parameter groups (private state): ``_fsdp_param_groups`` from torch 2.13, one
     ``_fsdp_param_group`` (or None) before."""

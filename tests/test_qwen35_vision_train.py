@@ -3,7 +3,7 @@ exact resume (held-out windows with images evaluated too), model.freeze_vision (
 state), optim.vision_lr_scale (the tower's first update scaled), the tower loaded from and exported into a multimodal
 checkpoint's layout, and the export of a preset run loading in transformers' AutoModelForImageTextToText and
 generating from an image prompt the tokens our model does. And train.py on chats with image files (data=jsonl): the
-images reach the tower, whose token ids must be the tokenizer's."""
+images reach the tower, whose token ids must be the tokenizer's, and two ep2 ranks train as one process does."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from models import build_args, get_spec
 from models.hf_io import export_hf
 from models.qwen3_5_moe.vision import vision_inputs
 from tests.conftest import compose_config, write_tokens
+from tests.dist_utils import assert_same_curve, run_distributed, run_train
 from tests.vision_data import (END, IMAGE, START, image_chat_corpus, images_in_token_data, rope_index,
                                vision_overrides)
 from training.data.vision import ImageProcessing, read_image_processing
@@ -225,3 +226,12 @@ def test_the_tokenizer_ids_must_be_the_towers(tmp_path):
                                          r"tokenizer's: 248056\): the model would not find the images"):
         train.run(cfg)
     assert not (tmp_path / "ids").exists()  # refused before anything is written
+
+
+@pytest.mark.torch_apis  # FSDP2 and EP on gloo ranks
+def test_image_chats_under_ep2_train_as_one_process_does(tmp_path):
+    """torchrun's path for image chats: two gloo ranks (parallel=ep2: dp 2, the experts split) read the jsonl's
+    windows with their images as one process reads the same global batch; the losses and gradient norms agree."""
+    one = train.run(jsonl_config(tmp_path, "one", "train.steps=3", "train.local_batch_size=4"))
+    two = run_distributed(run_train, 2, jsonl_config(tmp_path, "ep2", "parallel=ep2", "train.steps=3"))
+    assert_same_curve(two, one, steps=[1, 2, 3])
