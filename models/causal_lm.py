@@ -149,13 +149,14 @@ class MoeDecoder(nn.Module):
                 packed: bool | KnownDocuments | None = None, mtp_ids_BT: torch.Tensor | None = None,
                 insert: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecoderOutput:
         """``mtp_ids_BT``: ids an MTP head embeds too, in the same call of the embedding (FSDP's hooks run once).
-        ``insert``: applied to the token embeddings [B, T, D] before the blocks (a family's image tokens put in place
-        of their pad tokens)."""
+        ``insert``: applied to the token embeddings before the blocks (a family's image tokens put in place of their
+        pad tokens), those of ``mtp_ids_BT`` too (after the model's: [2B, T, D]), so that an MTP head reads an image
+        token's embedding where its next token is one."""
         ids_BT = input_ids_BT if mtp_ids_BT is None else torch.cat((input_ids_BT, mtp_ids_BT))
         embeds_BTD = self.embed_tokens(ids_BT)
-        h_BTD = embeds_BTD[:len(input_ids_BT)]
         if insert is not None:
-            h_BTD = insert(h_BTD)
+            embeds_BTD = insert(embeds_BTD)
+        h_BTD = embeds_BTD[:len(input_ids_BT)]
         cos, sin = self.rotary_tables(position_ids, h_BTD.dtype)
         docs = self.find_documents(position_ids, packed)
         stats = []

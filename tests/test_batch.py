@@ -6,6 +6,8 @@ text row, the images whole on every cp rank, each rank's image tokens its shard'
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -103,18 +105,25 @@ def test_multimodal_windows_documents_from_the_text_row_and_images_whole_on_ever
     # the same documents; the tower's FLOPs on the images added, over the window's tokens
     tower = sum(n * VISION_ARGS.vision_config.flops_per_patch(n) for n in (8, 16))
     assert whole.attended_flops == pytest.approx(plain.attended_flops + tower / 24, rel=1e-12)
-    assert plain.images is None and whole.images.token_rows_n is None  # text data: no images; one rank: all tokens
+    assert plain.images is None  # text data: no images
     tokens_UD = torch.arange(1, 7, dtype=torch.float)[:, None]  # the window's 6 merged tokens, told apart
-    want_BT1 = insert_images(torch.zeros(2, 12, 1), tokens_UD, whole.images)
-    assert want_BT1.flatten().tolist().count(0) == 24 - 6
+    # The decoder embeds the ids and the MTP head's in one [2B, T] call: an image token goes where its pad is in the
+    # ids, and one position earlier in the MTP head's (token t+1's input embedding at t).
+    want_2BT1 = insert_images(torch.zeros(4, 12, 1), tokens_UD, whole.images)
+    assert want_2BT1[:2].flatten().tolist().count(0) == 24 - 6
+    assert torch.equal(want_2BT1[2:], want_2BT1[:2].roll(-1, dims=1))
     shards = []
     for rank in range(2):
-        batch, = prepare_batches([window], VISION_ARGS, cp_rank=rank, cp=2, dev=CPU, mtp=False)
+        batch, = prepare_batches([window], VISION_ARGS, cp_rank=rank, cp=2, dev=CPU, mtp=True)
         assert torch.equal(batch.pixel_values, window["pixel_values"])  # unsplit: every cp rank runs every image
         assert torch.equal(batch.image_grid_thw, window["image_grid_thw"])
         assert batch.position_ids.shape == (4, 2, 6)
-        shards.append(insert_images(torch.zeros(2, 6, 1), tokens_UD, batch.images))
-    assert torch.equal(torch.cat(shards, dim=1), want_BT1)  # each rank keeps its shard's image tokens
+        shards.append(insert_images(torch.zeros(4, 6, 1), tokens_UD, batch.images))
+    # each rank keeps its shard's image tokens, the MTP head's across the shards' border too
+    assert torch.equal(torch.cat(shards, dim=1), want_2BT1)
+    without_mtp, = prepare_batches([window], VISION_ARGS, cp_rank=0, cp=1, dev=CPU, mtp=False)
+    assert without_mtp.images.token_rows_n is None  # one rank, no MTP head: every merged token, in order
+    assert torch.equal(insert_images(torch.zeros(2, 12, 1), tokens_UD, without_mtp.images), want_2BT1[:2])
 
 
 def test_a_window_whose_pad_tokens_do_not_count_its_images_or_a_model_without_a_tower_is_refused() -> None:
@@ -126,3 +135,24 @@ def test_a_window_whose_pad_tokens_do_not_count_its_images_or_a_model_without_a_
     empty = {**_image_window(), "pixel_values": torch.zeros(0, 24), "image_grid_thw": torch.zeros(0, 3)}
     with pytest.raises(ValueError, match="no vision tower: train with model.vision=true"):
         prepare_batches([empty], ARGS, cp_rank=0, cp=1, dev=CPU, mtp=False)
+
+
+def test_the_mtp_head_reads_the_image_tokens_embeddings() -> None:
+    """With images and the MTP head, the head's input embedding at t is the decoder's at t+1 after the images went
+    in (vLLM's Qwen3_5MTP merges the multimodal embeddings into its own): an image token's where token t+1 is one."""
+    from models import get_spec
+
+    args = build_args("qwen3_5_moe", {**dataclasses.asdict(VISION_ARGS), "mtp_loss_weight": 0.3}, vision=True)
+    torch.manual_seed(0)
+    model = get_spec("qwen3_5_moe").model_cls(args)
+    model.init_weights()
+    batch, = prepare_batches([_image_window()], args, cp_rank=0, cp=1, dev=CPU, mtp=True)
+    seen = {}
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.update(decoder=a[0]))
+    model.mtp.register_forward_pre_hook(lambda m, a: seen.update(mtp=a[0]))
+    with torch.no_grad():
+        model(batch.input_ids, batch.position_ids, batch.labels, **batch.forward_kwargs())
+    image_t = batch.input_ids.roll(-1, dims=1) == args.vision_config.image_token_id
+    assert image_t.any() and torch.equal(seen["mtp"][:, :-1], seen["decoder"][:, 1:])
+    text = model.model.embed_tokens(batch.input_ids.roll(-1, dims=1))
+    assert not torch.allclose(seen["mtp"][image_t], text[image_t])  # not the pad token's embedding

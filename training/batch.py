@@ -72,7 +72,8 @@ def prepare_batches(windows: list[dict[str, torch.Tensor]], model_args: Any, cp_
         if mtp:  # 2
             window = {**window, **mtp_batch(window["input_ids"], window["labels"], window["position_ids"])}
         shard = context_shard(window, cp_rank, cp)  # 3
-        images = None if pixels is None else window_images(window["input_ids"], *pixels, model_args, cp_rank, cp, dev)
+        images = None if pixels is None else window_images(window["input_ids"], *pixels, model_args, cp_rank, cp, dev,
+                                                           window.get("mtp_input_ids"))
         if pixels is not None:  # and the tower's on the window's images (run whole on every cp rank, counted once)
             attended += tower_flops_per_token(model_args.vision_config, pixels[1], window["input_ids"].numel())
         on_dev = to_device(shard, dev)  # 4
@@ -97,34 +98,46 @@ def split_images(window: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 
 def window_images(input_ids_BT: torch.Tensor, pixel_values_JY: torch.Tensor, grid_thw_A3: torch.Tensor,
-                  model_args: Any, cp_rank: int, cp: int, dev: torch.device) -> VisionInputs:
+                  model_args: Any, cp_rank: int, cp: int, dev: torch.device,
+                  mtp_input_ids_BT: torch.Tensor | None = None) -> VisionInputs:
     """The tower's inputs for a whole window's images (host tensors), with where this cp rank's image pad tokens
-    are in its shard and which of the window's merged tokens they take (``image_tokens``)."""
+    are in its shard and which of the window's merged tokens they take (``image_tokens``). With the MTP head's ids
+    (``mtp_input_ids_BT``, the window's shifted by one: ``models.causal_lm.mtp_batch``), their pad tokens too, after
+    the shard's: the decoder embeds both in one [2B, t] call and the head reads token t+1's input embedding, an
+    image's merged token where it is one, as the published inference code's MTP does (vLLM's
+    ``Qwen3_5MTP.embed_input_ids`` merges the multimodal embeddings)."""
     vision = getattr(model_args, "vision_config", None)
     if vision is None:  # a window of such data without an image too: the next one may have some
         raise ValueError("the data has images (its windows carry pixel_values) and the model has no vision tower: "
                          "train with model.vision=true (model.arch.vision_config set: model=hf reads it from "
                          "config.json)")
     positions_n, rows_n = image_tokens(input_ids_BT, grid_thw_A3, vision, cp_rank, cp)
+    if mtp_input_ids_BT is not None:
+        shifted_n, shifted_rows_n = image_tokens(input_ids_BT, grid_thw_A3, vision, cp_rank, cp, shift=1)
+        merged = torch.arange(int(grid_thw_A3.prod(dim=1).sum()) // vision.merge_unit)
+        positions_n = torch.cat([positions_n, shifted_n + input_ids_BT.numel() // cp])
+        rows_n = torch.cat([merged if rows_n is None else rows_n, shifted_rows_n])
     return vision_inputs(pixel_values_JY, grid_thw_A3, vision, dev, queued_copy(positions_n, dev),
                          None if rows_n is None else queued_copy(rows_n, dev))
 
 
-def image_tokens(input_ids_BT: torch.Tensor, grid_thw_A3: torch.Tensor, vision: Any, cp_rank: int, cp: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def image_tokens(input_ids_BT: torch.Tensor, grid_thw_A3: torch.Tensor, vision: Any, cp_rank: int, cp: int,
+                 shift: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(flat positions in this cp rank's [B, T / cp] shard of the image pad tokens it holds, which of the window's
     merged image tokens they are: None for all, in order, as without cp). The window's tokens are its images' in
-    order, row by row; a window whose pad tokens do not count its images' merged patches is refused."""
+    order, row by row; a window whose pad tokens do not count its images' merged patches is refused. ``shift``: of
+    the window's ids rolled left by that many (the MTP head's: the pad tokens keep their merged tokens)."""
     is_image_BT = input_ids_BT == vision.image_token_id
     tokens = int(grid_thw_A3.prod(dim=1).sum()) // vision.merge_unit
     if int(is_image_BT.sum()) != tokens:
         raise ValueError(f"a window holds {int(is_image_BT.sum())} image pad tokens (id {vision.image_token_id}) "
                          f"for images of {tokens} merged patches (image_grid_thw {grid_thw_A3.tolist()}, "
                          f"spatial_merge_size {vision.spatial_merge_size}): an image's tokens split from it?")
-    if cp == 1:
+    if cp == 1 and shift == 0:
         return is_image_BT.flatten().nonzero().squeeze(1), None
     order_BT = is_image_BT.flatten().cumsum(0).view_as(is_image_BT) - 1  # each pad token's merged token
-    shard = context_shard({"image": is_image_BT, "order": order_BT}, cp_rank, cp)
+    rolled = {"image": is_image_BT.roll(-shift, dims=1), "order": order_BT.roll(-shift, dims=1)}
+    shard = context_shard(rolled, cp_rank, cp)
     return shard["image"].flatten().nonzero().squeeze(1), shard["order"][shard["image"]]
 
 
