@@ -7,6 +7,7 @@ images reach the tower, whose token ids must be the tokenizer's, and two ep2 ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -176,11 +177,11 @@ def test_the_export_generates_from_an_image_what_our_model_does(data):
     assert ids[0, prompt.shape[1]:].tolist() == out
 
 
-def jsonl_config(tmp: Path, run: str, *overrides: str):
-    """The debug preset with its tower on chats with image files (data=jsonl, Qwen3.5's tokenizer), images resized
-    to 1 .. 4 merged tokens."""
+def jsonl_config(tmp: Path, run: str, *overrides: str, model: str = "model=qwen35_moe_debug"):
+    """The debug preset (or ``model``) with its tower on chats with image files (data=jsonl, Qwen3.5's tokenizer),
+    images resized to 1 .. 4 merged tokens."""
     return compose_config([
-        "model=qwen35_moe_debug", "model.vision=true", "data=jsonl", f"data.path={image_chat_corpus(tmp)}",
+        model, "model.vision=true", "data=jsonl", f"data.path={image_chat_corpus(tmp)}",
         "data.seq_len=64", "data.image_min_pixels=1024", "data.image_max_pixels=4096",
         f"data.cache_dir={tmp / 'cache'}",
         f"train.output_dir={tmp / run}", "train.local_batch_size=2", "optim.warmup_steps=0", "optim.lr=1e-2",
@@ -188,10 +189,10 @@ def jsonl_config(tmp: Path, run: str, *overrides: str):
         *overrides])
 
 
-def test_train_py_trains_the_tower_on_chats_with_image_files(tmp_path):
+def test_train_py_trains_the_tower_on_chats_with_image_files(tmp_path, monkeypatch):
     """train.run hands the loader the model's image processor and ids (``RunPlan.vision``): the chats' images reach
     the tower, whose weights move (no weight decay: only a gradient moves them); the export serves its image
-    processor."""
+    processor, and a model=hf run from the export reads that processor and the trained tower."""
     run_windows = []
     real = train.build_data_loader
 
@@ -201,9 +202,8 @@ def test_train_py_trains_the_tower_on_chats_with_image_files(tmp_path):
         return loader
 
     train.run(jsonl_config(tmp_path, "init", "train.steps=0"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "build_data_loader", recording)
-        train.run(jsonl_config(tmp_path, "trained", "train.steps=3", "checkpoint.export_hf_at_end=true"))
+    monkeypatch.setattr(train, "build_data_loader", recording)
+    train.run(jsonl_config(tmp_path, "trained", "train.steps=3", "checkpoint.export_hf_at_end=true"))
     assert run_windows and run_windows[0].vision is not None  # a multimodal corpus: every batch has the images' keys
     before, after = (load_file(tmp_path / run / "model.safetensors") for run in ("init", "trained"))
     tower = [name for name in before if name.startswith("visual.")]
@@ -218,6 +218,15 @@ def test_train_py_trains_the_tower_on_chats_with_image_files(tmp_path):
     theirs = Qwen2VLImageProcessorPil.from_pretrained(hf_dir)(images=[image], return_tensors="np")
     ours, grid = processing(image)
     assert grid == tuple(theirs["image_grid_thw"][0]) and ours.tobytes() == theirs["pixel_values"].tobytes()
+    # The export as the source of a run (the README's model=hf command): its config, tokenizer (auto), image processor
+    # (its mean changed here, to tell it from the published default) and trained tower are what that run reads.
+    config = json.loads((hf_dir / "preprocessor_config.json").read_text())
+    (hf_dir / "preprocessor_config.json").write_text(json.dumps({**config, "image_mean": [0.25, 0.5, 0.75]}))
+    train.run(jsonl_config(tmp_path, "from-export", "train.steps=0", f"model.init_from={hf_dir}", model="model=hf"))
+    assert run_windows[-1].vision.processing == dataclasses.replace(processing, min_pixels=1024, max_pixels=4096,
+                                                                    image_mean=(0.25, 0.5, 0.75))
+    loaded = load_file(tmp_path / "from-export" / "model.safetensors")
+    assert all(torch.equal(loaded[name], after[name]) for name in tower)
 
 
 def test_the_tokenizer_ids_must_be_the_towers(tmp_path):
