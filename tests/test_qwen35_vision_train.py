@@ -23,6 +23,7 @@ import train
 from models import build_args, get_spec
 from models.hf_io import export_hf
 from models.qwen3_5_moe.vision import vision_inputs
+from scripts import export_hf as export_script
 from tests.conftest import compose_config, write_tokens
 from tests.dist_utils import assert_same_curve, run_distributed, run_train
 from tests.vision_data import (END, IMAGE, START, image_chat_corpus, images_in_token_data, rope_index,
@@ -218,6 +219,10 @@ def test_train_py_trains_the_tower_on_chats_with_image_files(tmp_path, monkeypat
     theirs = Qwen2VLImageProcessorPil.from_pretrained(hf_dir)(images=[image], return_tensors="np")
     ours, grid = processing(image)
     assert grid == tuple(theirs["image_grid_thw"][0]) and ours.tobytes() == theirs["pixel_values"].tobytes()
+    # scripts/export_hf.py writes the same processor from the run's record
+    export_script.main([str(tmp_path / "trained"), str(tmp_path / "exported")])
+    assert (tmp_path / "exported" / "preprocessor_config.json").read_bytes() == \
+        (hf_dir / "preprocessor_config.json").read_bytes()
     # The export as the source of a run (the README's model=hf command): its config, tokenizer (auto), image processor
     # (its mean changed here, to tell it from the published default) and trained tower are what that run reads.
     config = json.loads((hf_dir / "preprocessor_config.json").read_text())
