@@ -16,8 +16,8 @@ import torch
 import transformers
 from PIL import Image
 from safetensors.torch import load_file
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from torch.distributed.checkpoint import FileSystemReader
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import train
 from models import build_args, get_spec
