@@ -31,7 +31,7 @@ from parallelisms.float8 import apply_float8
 from training.batch import Batch, prepare_batches, validation_shard
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_model_weights
 from training.config import TrainConfig, register_schema, to_train_config
-from training.data.hf_tokenizer import hf_tokenizer_files
+from training.data.hf_tokenizer import hf_export_files
 from training.data.loader import build_data_loader
 from training.evaluate import validation_loss
 from training.launch import needs_torchrun, one_line_errors, relaunch_with_torchrun, sweep_job_name
@@ -428,7 +428,7 @@ def finish(plan: RunPlan, run_dir: RunDir, model: torch.nn.Module, dims: paralle
     if cfg.checkpoint.export_hf_at_end:
         processing = plan.vision.processing if plan.vision is not None else None  # the model's, for serving
         export_hf(model, plan.spec.model_type, run_dir.path / "hf", source=cfg.model.init_from, loaded=loaded,
-                  extra_files=hf_tokenizer_files(plan.tokenizer, processing))
+                  extra_files=hf_export_files(plan.tokenizer, processing))
     run_dir.finished(last_step, dims.writer)
 
 

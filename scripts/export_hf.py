@@ -43,7 +43,7 @@ from models.hf_io import (DEFAULT_MAX_SHARD_BYTES, check_export_apart, check_exp
                           check_export_source, export_state_dict_hf)
 from training.checkpoint import (TRAIN_STATE, full_state_dict, load_checkpoint, read_train_state,  # noqa: E402
                                  recorded_init_from, verified_weights_step)
-from training.data.hf_tokenizer import hf_tokenizer_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
+from training.data.hf_tokenizer import hf_export_files, identify_hf_tokenizer, tokenizer_mismatch  # noqa: E402
 from training.data.tokenizer import TOKENIZERS  # noqa: E402
 from training.data.vision import ImageProcessing  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     state = dcp_state_dict(weights, model_type, args) if is_dcp_checkpoint(weights) else load_file(weights)
     export_state_dict_hf(state, model_type, args, opts.out_dir, max_shard_bytes=opts.max_shard_bytes,
                          dtype=DTYPES.get(opts.dtype), source=source,
-                         extra_files=hf_tokenizer_files(tokenizer, image_processing(args, init_from, tokenizer)),
+                         extra_files=hf_export_files(tokenizer, image_processing(args, init_from, tokenizer)),
                          loaded=recorded_init_from(weights) if source is not None else None)
     if tokenizer is None and source is None:
         print(f"no tokenizer files written: {decided}; add that tokenizer's files to {opts.out_dir}")

@@ -322,3 +322,20 @@ def test_export_script_tokenizer_of_older_and_pre_tokenized_runs():
     assert script.run_tokenizer({"model": {"tokenizer": "qwen3"}}, 151_936, "none")[0] is None
     with pytest.raises(ValueError, match="--tokenizer qwen3_5: model.tokenizer=qwen3_5 has 248,077 ids"):
         script.run_tokenizer({"model": {"tokenizer": "qwen3"}}, 151_936, "qwen3_5")
+
+
+def test_the_export_hook_writes_the_image_processor_only_where_the_source_carried_none(tmp_path) -> None:
+    """``hf_export_files``: the image processor is written beside the tokenizer files, unless the export already holds
+    the source's preprocessor_config.json (copied before the hook runs), which stays as it was."""
+    from training.data.hf_tokenizer import hf_export_files
+    from training.data.vision import ImageProcessing, read_image_processing
+
+    processing = ImageProcessing.for_tower(patch_size=16, temporal_patch_size=2, merge_size=2)
+    assert hf_export_files(None, None) is None
+    hf_export_files(None, processing)(tmp_path)
+    assert read_image_processing(tmp_path) == processing
+    carried = '{"patch_size": 16, "merge_size": 2, "image_mean": [0.1, 0.2, 0.3]}\n'
+    (tmp_path / "preprocessor_config.json").write_text(carried)
+    hf_export_files("qwen3_5", processing)(tmp_path)
+    assert (tmp_path / "preprocessor_config.json").read_text() == carried
+    assert (tmp_path / "tokenizer.json").is_file()

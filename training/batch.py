@@ -72,9 +72,9 @@ def prepare_batches(windows: list[dict[str, torch.Tensor]], model_args: Any, cp_
         if mtp:  # 2
             window = {**window, **mtp_batch(window["input_ids"], window["labels"], window["position_ids"])}
         shard = context_shard(window, cp_rank, cp)  # 3
-        images = None if pixels is None else window_images(window["input_ids"], *pixels, model_args, cp_rank, cp, dev,
-                                                           window.get("mtp_input_ids"))
-        if pixels is not None:  # and the tower's on the window's images (run whole on every cp rank, counted once)
+        images = None
+        if pixels is not None:  # the attended FLOPs gain the tower's (it runs whole on every cp rank: counted once)
+            images = window_images(window["input_ids"], *pixels, model_args, cp_rank, cp, dev, mtp)
             attended += tower_flops_per_token(model_args.vision_config, pixels[1], window["input_ids"].numel())
         on_dev = to_device(shard, dev)  # 4
         batches.append(Batch(
@@ -98,21 +98,20 @@ def split_images(window: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 
 def window_images(input_ids_BT: torch.Tensor, pixel_values_JY: torch.Tensor, grid_thw_A3: torch.Tensor,
-                  model_args: Any, cp_rank: int, cp: int, dev: torch.device,
-                  mtp_input_ids_BT: torch.Tensor | None = None) -> VisionInputs:
+                  model_args: Any, cp_rank: int, cp: int, dev: torch.device, mtp: bool = False) -> VisionInputs:
     """The tower's inputs for a whole window's images (host tensors), with where this cp rank's image pad tokens
-    are in its shard and which of the window's merged tokens they take (``image_tokens``). With the MTP head's ids
-    (``mtp_input_ids_BT``, the window's shifted by one: ``models.causal_lm.mtp_batch``), their pad tokens too, after
-    the shard's: the decoder embeds both in one [2B, t] call and the head reads token t+1's input embedding, an
-    image's merged token where it is one, as the published inference code's MTP does (vLLM's
-    ``Qwen3_5MTP.embed_input_ids`` merges the multimodal embeddings)."""
+    are in its shard and which of the window's merged tokens they take (``image_tokens``). With ``mtp``, also the pad
+    tokens of the MTP head's ids (the window's shifted by one: ``models.causal_lm.mtp_batch``), after the shard's:
+    the decoder embeds both in one [2B, t] call and the head reads token t+1's input embedding, an image's merged
+    token where it is one, as the published inference code's MTP does (vLLM's ``Qwen3_5MTP.embed_input_ids`` merges
+    the multimodal embeddings)."""
     vision = getattr(model_args, "vision_config", None)
     if vision is None:  # a window of such data without an image too: the next one may have some
         raise ValueError("the data has images (its windows carry pixel_values) and the model has no vision tower: "
                          "train with model.vision=true (model.arch.vision_config set: model=hf reads it from "
                          "config.json)")
     positions_n, rows_n = image_tokens(input_ids_BT, grid_thw_A3, vision, cp_rank, cp)
-    if mtp_input_ids_BT is not None:
+    if mtp:
         shifted_n, shifted_rows_n = image_tokens(input_ids_BT, grid_thw_A3, vision, cp_rank, cp, shift=1)
         merged = torch.arange(int(grid_thw_A3.prod(dim=1).sum()) // vision.merge_unit)
         positions_n = torch.cat([positions_n, shifted_n + input_ids_BT.numel() // cp])

@@ -158,17 +158,17 @@ def write_hf_tokenizer(name: str, out_dir: str | os.PathLike) -> None:
         _write_json(config_path, {**config, **hf_config_token_ids(name)})
 
 
-def hf_tokenizer_files(name: str | None, image_processing: ImageProcessing | None = None
-                       ) -> Callable[[Path], None] | None:
-    """The export's ``extra_files`` hook: tokenizer ``name``'s files (None: none) and, for a model with its vision
-    tower, ``image_processing``'s preprocessor_config.json (None: none)."""
-    if name is None and image_processing is None:
+def hf_export_files(tokenizer: str | None, image_processing: ImageProcessing | None = None
+                    ) -> Callable[[Path], None] | None:
+    """The export's ``extra_files`` hook: ``tokenizer``'s files (None: none) and, for a model with its vision tower,
+    ``image_processing``'s preprocessor_config.json (None: none) where the export carries none of its source's."""
+    if tokenizer is None and image_processing is None:
         return None
 
     def write(out: Path) -> None:
-        if name is not None:
-            write_hf_tokenizer(name, out)
-        if image_processing is not None:
+        if tokenizer is not None:
+            write_hf_tokenizer(tokenizer, out)
+        if image_processing is not None and not (out / "preprocessor_config.json").exists():
             write_preprocessor_config(image_processing, out)
 
     return write
