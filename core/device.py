@@ -86,8 +86,11 @@ def synchronize(dev_type: str) -> None:
 def queued_copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     """The host tensor ``t`` on ``dev``. On an accelerator through pinned memory, so the copy is queued and the host
     goes on: a copy from pageable memory would wait until the device has run everything queued before it (the
-    training loop fetches the next batch while the device still runs the previous step's optimizer)."""
-    return t if dev.type == "cpu" else t.pin_memory().to(dev, non_blocking=True)
+    training loop fetches the next batch while the device still runs the previous step's optimizer). A tensor whose
+    elements share memory (an ``expand``) is made contiguous first: pinning copies it, which such a tensor refuses."""
+    if t.device.type != "cpu":
+        raise ValueError(f"queued_copy takes a host tensor; this one is on {t.device} already (copied twice?)")
+    return t if dev.type == "cpu" else t.contiguous().pin_memory().to(dev, non_blocking=True)
 
 
 def queued_read(t: torch.Tensor) -> Callable[[], torch.Tensor]:

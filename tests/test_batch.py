@@ -156,3 +156,44 @@ def test_the_mtp_head_reads_the_image_tokens_embeddings() -> None:
     assert image_t.any() and torch.equal(seen["mtp"][:, :-1], seen["decoder"][:, 1:])
     text = model.model.embed_tokens(batch.input_ids.roll(-1, dims=1))
     assert not torch.allclose(seen["mtp"][image_t], text[image_t])  # not the pad token's embedding
+
+
+@pytest.fixture
+def copies(monkeypatch) -> list[torch.Tensor]:
+    """Every module's ``queued_copy`` replaced by one that refuses what the real one refuses on an accelerator
+    (a tensor it copied already: on the device, pinning it fails) and records what it returns. On the CPU the real
+    one returns its input, which hid a double copy that only an H100 run showed."""
+    import sys
+
+    from core import device
+
+    original, made = device.queued_copy, []
+
+    def queued_copy(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        assert not any(t is m for m in made), "a tensor queued to the device twice"
+        made.append(t.clone())
+        return made[-1]
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "queued_copy", None) is original:
+            monkeypatch.setattr(module, "queued_copy", queued_copy)
+    return made
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_every_tensor_of_a_batch_is_queued_to_the_device_once(copies, cp: int, mtp: bool) -> None:
+    args = build_args("qwen3_5_moe", {**dataclasses.asdict(VISION_ARGS), "mtp_loss_weight": 0.3}, vision=True)
+    batch, = prepare_batches([_image_window()], args, cp_rank=cp - 1, cp=cp, dev=CPU, mtp=mtp)
+    images = batch.images
+    assert any(images.token_positions_n is m for m in copies)
+    assert images.token_rows_n is None or any(images.token_rows_n is m for m in copies)
+
+
+def test_a_queued_copy_takes_host_tensors_of_any_layout() -> None:
+    from core.device import queued_copy
+
+    with pytest.raises(ValueError, match="takes a host tensor; this one is on meta already"):
+        queued_copy(torch.empty(3, device="meta"), CPU)
+    expanded = torch.arange(4).expand(2, 4)  # position ids made with expand (scripts/bench_vlm.py's text row)
+    assert torch.equal(queued_copy(expanded, CPU), expanded)

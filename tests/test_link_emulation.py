@@ -198,8 +198,9 @@ def gpu_world():
 
 
 def _rows_for(seconds: float) -> int:
-    """Rows of 1,024 fp32 that take ``seconds`` to leave the GPU at 1 GB/s (half of them stay)."""
-    return int(2 * seconds * 1e9 / 4096)
+    """Rows of 1,024 fp32 that take ``seconds`` to leave the GPU at 1 GB/s (half of them stay; even, as an
+    all-to-all of 2 without split sizes needs)."""
+    return 2 * int(seconds * 1e9 / 4096)
 
 
 def _elapsed(fn) -> tuple[float, float]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from core.constants import IGNORE_INDEX
-from core.device import queued_copy, to_device
+from core.device import to_device
 from models.causal_lm import MtpBatch, mtp_batch, trained_rows
 from models.layers import KnownDocuments, known_documents
 from models.qwen3_5_moe.vision import VisionInputs, vision_inputs
@@ -116,8 +116,7 @@ def window_images(input_ids_BT: torch.Tensor, pixel_values_JY: torch.Tensor, gri
         merged = torch.arange(int(grid_thw_A3.prod(dim=1).sum()) // vision.merge_unit)
         positions_n = torch.cat([positions_n, shifted_n + input_ids_BT.numel() // cp])
         rows_n = torch.cat([merged if rows_n is None else rows_n, shifted_rows_n])
-    return vision_inputs(pixel_values_JY, grid_thw_A3, vision, dev, queued_copy(positions_n, dev),
-                         None if rows_n is None else queued_copy(rows_n, dev))
+    return vision_inputs(pixel_values_JY, grid_thw_A3, vision, dev, positions_n, rows_n)  # host tensors: it queues
 
 
 def image_tokens(input_ids_BT: torch.Tensor, grid_thw_A3: torch.Tensor, vision: Any, cp_rank: int, cp: int,
