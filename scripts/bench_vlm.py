@@ -12,7 +12,8 @@ Rows, each in a process of its own (one that runs out of memory leaves the other
 - ``text``: the same windows with every image's tokens replaced by text ids, no images (``model.vision=false``):
   the text model alone.
 - ``transformers``: ``Qwen3_5MoeForConditionalGeneration`` of the same config (its own kernels: FLA where
-  installed), each decoder layer, each vision block and the root an FSDP2 unit over the one rank (bf16 compute, fp32
+  installed; on a Hopper GPU with triton 3.4-3.7.0, with the same #640-safe backward step as ours: FLA refuses its
+  own there), each decoder layer, each vision block and the root an FSDP2 unit over the one rank (bf16 compute, fp32
   reduction), its loss from ``labels``, torch's gradient clipping, the same AdamW, on the same windows and images.
 
 A window: each of --local-batch rows of --seq-len tokens is one conversation (``<|im_start|>user`` with --images
@@ -223,12 +224,14 @@ def run_transformers(args: argparse.Namespace) -> dict:
 
     import models
     from core import device
+    from kernels.registry import Env
     from models.hf_io import _hf_names
     from training.optim import AdamW
 
     cfg = train_config(args, True, Path(tempfile.gettempdir()) / "unused")
     margs = models.build_args(cfg.model.model_type, dict(cfg.model.arch), vision=True)
     dev_type = "cpu" if args.device == "cpu" else "cuda"
+    fla_step = same_fla_backward(Env.detect(dev_type))
     dev = torch.device(dev_type, 0) if dev_type != "cpu" else torch.device("cpu")
     if not dist.is_initialized():  # FSDP2 over one rank
         with socket.socket() as free:
@@ -273,7 +276,22 @@ def run_transformers(args: argparse.Namespace) -> dict:
     seconds, losses = timed(step, data, args.warmup, dev_type)
     return {"tokens_per_s": args.local_batch * args.seq_len / seconds, "step_ms": 1e3 * seconds,
             "peak_gib": device.peak_memory_gib(dev_type), "loss": losses[-1],
-            "params": sum(p.numel() for p in hf.parameters())}
+            "params": sum(p.numel() for p in hf.parameters()), **({"fla": fla_step} if fla_step else {})}
+
+
+def same_fla_backward(env) -> str | None:
+    """On a Hopper GPU with a Triton of FLA #640 (torch 2.11's 3.6), FLA refuses its gated ``chunk_bwd_dqkwg`` and
+    transformers' model could not train; our model runs that one step through FLA's backend registry
+    (``kernels.linear_attention.fla.chunk_gated_delta_rule_hopper_safe``). Register the same backend here, so that
+    both rows run the same kernels, every other one FLA's own; say so in the row (None: nothing registered).
+    ``env``: ``kernels.registry.Env.detect``'s."""
+    from kernels.linear_attention import fla
+
+    if env.device_type != "cuda" or env.fla_version is None \
+            or fla.chunk_backward_broken(env.triton_version, env.capability) is None:
+        return None
+    fla.register_hopper_dqkwg()
+    return f"FLA with this repository's #640-safe chunk_bwd_dqkwg (triton {env.triton_version}), as ours"
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -330,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
             else "-"
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {tower} | {r['peak_gib']:.1f} | "
               f"{r['loss']:.3f} |")
+    for name, r in rows.items():
+        if "fla" in r:
+            print(f"{name}: {r['fla']}")
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2))
 

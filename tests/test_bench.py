@@ -111,3 +111,23 @@ def test_bench_vlm_windows_are_the_loaders_for_data_with_images() -> None:
                            plain["input_ids"][~torch.isin(ids, torch.tensor(vision_ids))])
         batch, = prepare_batches([window], margs, 0, 1, torch.device("cpu"), mtp=False)
         assert batch.images.token_positions_n.numel() == 16
+
+
+def test_bench_vlm_runs_transformers_with_our_fla_backward_step_where_fla_refuses_its_own(monkeypatch) -> None:
+    """On a Hopper GPU with triton 3.4-3.7.0 FLA refuses its gated chunk_bwd_dqkwg: the transformers row registers
+    the #640-safe step ours runs (the same kernels in both rows), and nowhere else."""
+    from kernels.linear_attention import fla
+    from kernels.registry import Env
+
+    spec = importlib.util.spec_from_file_location("bench_vlm", REPO / "scripts" / "bench_vlm.py")
+    bench_vlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_vlm)
+    registered = []
+    monkeypatch.setattr(fla, "register_hopper_dqkwg", lambda: registered.append(True))
+    for env in (Env("cpu"), Env("cuda", "3.7.1", (9, 0), "0.6.0"), Env("cuda", "3.6.0", (8, 0), "0.6.0"),
+                Env("cuda", "3.6.0", (9, 0), None)):
+        assert bench_vlm.same_fla_backward(env) is None
+    assert not registered
+    assert "#640-safe chunk_bwd_dqkwg (triton 3.6.0)" in bench_vlm.same_fla_backward(
+        Env("cuda", "3.6.0", (9, 0), "0.6.0"))
+    assert registered == [True]

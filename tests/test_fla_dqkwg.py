@@ -144,11 +144,11 @@ def test_the_fla_backend_routes_the_step_by_tile_width(monkeypatch: pytest.Monke
                          "fla.ops.utils": types.ModuleType("fla.ops.utils"), "fla.backends": backends,
                          "fla.ops.utils.index": index}.items():
         monkeypatch.setitem(sys.modules, name, module)
-    fla._register_hopper_dqkwg.cache_clear()
+    fla.register_hopper_dqkwg.cache_clear()
     try:
-        fla._register_hopper_dqkwg()
+        fla.register_hopper_dqkwg()
     finally:
-        fla._register_hopper_dqkwg.cache_clear()
+        fla.register_hopper_dqkwg.cache_clear()
     backend = registered["common"]
     inputs, expected = _forward_and_grads(lengths, batch=1, chunk=4)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])

@@ -134,7 +134,7 @@ def chunk_gated_delta_rule_hopper_safe(chunk_size: int) -> Callable:
     FLA refuses its kernel on these Tritons whatever the tile, so the step goes through FLA's backend registry
     (``fla.backends``, as FLA's TileLang replacement of this very step does): a backend of ours swaps that step
     alone, in this process, and every other FLA kernel, forward and backward, still runs as FLA's."""
-    _register_hopper_dqkwg()
+    register_hopper_dqkwg()
     return chunk_gated_delta_rule(chunk_size)
 
 
@@ -161,7 +161,9 @@ def _launch_wide_dqkwg(q, k, v, do, h, dh, w, g, dv, scale, cu_seqlens, chunk_si
 
 
 @functools.cache
-def _register_hopper_dqkwg() -> None:
+def register_hopper_dqkwg() -> None:
+    """Register, once per process, the FLA backend that runs the gated ``chunk_bwd_dqkwg`` #640-safe (any caller of
+    FLA's chunked delta rule in this process then gets it: ours, and scripts/bench_vlm.py's transformers row)."""
     from fla.backends import BaseBackend, register
     from fla.ops.utils.index import prepare_chunk_indices
 
