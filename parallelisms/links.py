@@ -22,7 +22,10 @@ from dataclasses import dataclass
 GPUS_PER_NODE = 8
 NVLINK_GB_S = 450.0  # per GPU and direction inside a node (H100 / H200: NVLink 4, 900 GB/s both ways)
 INTERNODE_GB_S = 50.0  # per GPU and direction between nodes: one 400 Gb/s NIC per GPU
-A2A_GB_S = 130.0  # NCCL's all-to-all inside a node, calibrated on 2 x H200 (docs/scaling.md)
+A2A_GB_S = 130.0  # NCCL's all-to-all inside a node, calibrated on 2 x H200 for the paper model (docs/scaling.md)
+# The same rate fitted for the emulated links (they hold each exchange where NCCL's runs, so what the compute hides is
+# not charged): one H100 simulating the 2 x H200 rows, 2026-12-07 (docs/scaling.md#calibration-at-one-rate).
+A2A_GB_S_EMULATED = 160.0
 # SMs a collective's kernel occupies while it runs: NCCL runs one CTA per channel, 16 to 32 channels for an
 # all-to-all over NVLink on H100/H200 (its NCCL_MAX_NCHANNELS is 32; the channels an all-to-all uses depend on the
 # peers and the size), and DeepEP's normal kernels take 20 to 24 SMs. 24 sits in both ranges.

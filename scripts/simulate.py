@@ -7,7 +7,8 @@ Takes train.py's overrides plus ``sim.*`` (world: the job's ranks; rank: which o
 default 8, the last two profiled; routing: balanced (default: ``model.arch.router_force_balance``, the loopback's
 case) or learned; data: random (default: random token ids, no documents) or config (the configured data); out: the
 simulation's directory, new or empty (default: a temporary one); links: on (default) or off; a2a_gb_s: the
-all-to-all's rate inside a node, default 130, calibrated in docs/scaling.md; comm_sms: the SMs an emulated
+all-to-all's rate inside a node, default the calibrated one of docs/scaling.md: 160 with the links emulated, 130
+with them off; comm_sms: the SMs an emulated
 collective occupies, default 24; advise: on (default) or off, the planner's choice for the job) and ``plan.*`` (the machine: nvlink_gb_s, internode_gb_s, gpus_per_node; scripts/
 plan.py). train.py runs as rank ``sim.rank`` of the job under the loopback world (``launch.simulate_world``,
 parallelisms/loopback.py): the real rank's shards, prefetch chains, dispatcher and kernels, every collective a local
@@ -53,12 +54,12 @@ from plan import read_args  # noqa: E402
 
 from core import device  # noqa: E402
 from training.launch import one_line_errors  # noqa: E402
-from parallelisms.links import A2A_GB_S, COMM_SMS  # noqa: E402
+from parallelisms.links import A2A_GB_S, A2A_GB_S_EMULATED, COMM_SMS  # noqa: E402
 from training.planner import FULL_CHECKPOINT_RECOMPUTE, RECOMPUTING_MODES, GiB, advise, plan  # noqa: E402
 from training.run_dir import RECORD_FILE  # noqa: E402
 
 SIM_KEYS = {"world": 8, "rank": 0, "steps": 8, "routing": "balanced", "data": "random", "out": "",
-            "links": "on", "a2a_gb_s": A2A_GB_S, "comm_sms": COMM_SMS, "advise": "on"}
+            "links": "on", "a2a_gb_s": 0.0, "comm_sms": COMM_SMS, "advise": "on"}  # a2a_gb_s 0: as sim.links
 # What each key holds, for the line that refuses a value.
 _MEANING = {"world": "the simulated job's ranks", "rank": "which of them this process is",
             "steps": "steps trained, the last two profiled", "a2a_gb_s": "GB/s of the all-to-all inside a node",
@@ -67,12 +68,13 @@ _MEANING = {"world": "the simulated job's ranks", "rank": "which of them this pr
 
 def sim_args(argv: list[str]) -> tuple[dict, list[str]]:
     """The ``sim.*`` settings, checked (each refusal one line naming the key and the fix), and the other arguments."""
-    sim, rest = dict(SIM_KEYS), []
+    sim, rest, given = dict(SIM_KEYS), [], set()
     for arg in argv:
         if not arg.startswith("sim."):
             rest.append(arg)
             continue
         key, eq, value = arg.removeprefix("sim.").partition("=")
+        given.add(key)
         if key not in SIM_KEYS:
             raise ValueError(f"sim has no key {key!r}; known: {sorted(SIM_KEYS)}")
         if not eq:
@@ -83,6 +85,8 @@ def sim_args(argv: list[str]) -> tuple[dict, list[str]]:
         except ValueError:
             raise ValueError(f"sim.{key}={value} must be {'an integer' if kind is int else 'a number'} "
                              f"({_MEANING[key]})") from None
+    if "a2a_gb_s" not in given:  # each model's own calibrated rate: the emulation's, or the paper's
+        sim["a2a_gb_s"] = A2A_GB_S_EMULATED if sim["links"] == "on" else A2A_GB_S
     checks = [
         (sim["world"] >= 1, f"sim.world={sim['world']} must be >= 1 ({_MEANING['world']}, e.g. sim.world=8)"),
         (0 <= sim["rank"] < sim["world"], f"sim.rank={sim['rank']} must be in [0, sim.world={sim['world']})"),

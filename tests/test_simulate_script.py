@@ -183,3 +183,13 @@ def test_the_calibration_table_says_which_rows_hold_and_the_order_of_domino_and_
     assert "| 8 layers, ep2 fused | 53,727 | 53,000 (-1.4%) | yes | 52,408 (-2.5%) | 50.0 | 200.0 |" in out
     assert "| 8 layers, ep2 domino | 51,878 | 57,000 (+9.9%) | NO |" in out
     assert "order: fused 53,000 <= domino 57,000 (measured: fused 53,727 > domino 51,878): NOT as measured" in out
+
+
+def test_the_all_to_all_rate_defaults_to_the_one_calibrated_for_the_model_in_use():
+    """docs/scaling.md: the paper model (sim.links=off) was calibrated at 130 GB/s, the emulated links at 160."""
+    from parallelisms.links import A2A_GB_S, A2A_GB_S_EMULATED
+
+    assert (A2A_GB_S, A2A_GB_S_EMULATED) == (130.0, 160.0)
+    assert simulate.sim_args([])[0]["a2a_gb_s"] == A2A_GB_S_EMULATED
+    assert simulate.sim_args(["sim.links=off"])[0]["a2a_gb_s"] == A2A_GB_S
+    assert simulate.sim_args(["sim.links=off", "sim.a2a_gb_s=50"])[0]["a2a_gb_s"] == 50.0
