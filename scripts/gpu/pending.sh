@@ -11,8 +11,8 @@
 #
 #   vlm          issue 64: scripts/bench_vlm.py (ours, the text model alone, transformers + FSDP2 on the same windows)
 #   link_tests   issue 62: the emulation's stream semantics on the GPU (tests/test_link_emulation.py -k gpu)
-#   q35-*, j30*-, j235-*  issue 62: full-depth ranks at the fitted rate, each lever beside fused; Qwen3-30B-A3B under
-#                learned routing and repeated; ep16 on 16 and Qwen3-235B-A22B on 64
+#   q35-*, j235-*, j30*  issue 62: full-depth ranks at the fitted rate, each lever beside fused (Qwen3.5-35B-A3B on
+#                8, Qwen3-235B-A22B on 64); Qwen3-30B-A3B under learned routing, repeated, and ep16 on 16
 #   check_*      scripts/check_kernels.py's default on cold caches (issue 61)
 # Done on 2026-12-07 (one H100, docs/scaling.md): the calibration (rate 160 GB/s), the 30B ep8 levers at the
 # fitted rate, the 130/250/450 sensitivity, the link timer against its reference.
@@ -70,19 +70,21 @@ DEDUP_FP8=(dispatcher=dedup dispatcher.fp8_dispatch=true)
 task vlm 240 python scripts/bench_vlm.py --layers 4 --seq-len 2048 --local-batch 2 --images 2 --image-size 448 \
   --steps 12 kernel_config=auto_fla --out "$R/vlm.json"
 task link_tests 60 python -m pytest -q -p no:cacheprovider tests/test_link_emulation.py -k gpu
-sim q35-main-off 100 "${JOB35B[@]}" dispatcher=fused sim.links=off sim.advise=off
+# the targets still unmeasured (docs/scaling.md): Qwen3.5-35B-A3B on 8, Qwen3-235B-A22B on 64, each lever beside fused
 sim q35-fused-fit 100 "${JOB35B[@]}" dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=on
 sim q35-dedup-fp8-fit 100 "${JOB35B[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
+sim j235-fused-fit 150 "${JOB235B[@]}" dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
+sim j235-dedup-fp8-fit 150 "${JOB235B[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
 # learned routing (the router's own, near uniform at init: a token reaches ~5.3 of 8 ranks, not round robin's 1-2)
-sim j30-fused-learned 80 "${JOB30B[@]}" sim.routing=learned dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
 sim j30-dedup-fp8-learned 80 "${JOB30B[@]}" sim.routing=learned "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
+sim j30-fused-learned 80 "${JOB30B[@]}" sim.routing=learned dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
+sim q35-main-off 100 "${JOB35B[@]}" dispatcher=fused sim.links=off sim.advise=off
 # the same settings again: the spread between two runs of one setting (host gaps differ from run to run)
 sim j30-dedup-fp8-fit-2 80 "${JOB30B[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
 sim j30-fused-fit-2 80 "${JOB30B[@]}" dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
+# ep16 on 16 (its target is bounded by its measured compute already: docs/scaling.md)
 sim j30e16-fused-fit 90 "${JOB30B16[@]}" dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
 sim j30e16-dedup-fp8-fit 90 "${JOB30B16[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
-sim j235-fused-fit 150 "${JOB235B[@]}" dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
-sim j235-dedup-fp8-fit 150 "${JOB235B[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
 task check_kernels_cold 150 bash -c 'rm -rf /tmp/pending-ck-t /tmp/pending-ck-i; TRITON_CACHE_DIR=/tmp/pending-ck-t \
   TORCHINDUCTOR_CACHE_DIR=/tmp/pending-ck-i /usr/bin/time -f "check_kernels cold: %e s" python scripts/check_kernels.py'
 echo "== every task done"
