@@ -13,6 +13,7 @@
 #   link_tests   issue 62: the emulation's stream semantics on the GPU (tests/test_link_emulation.py -k gpu)
 #   q35-*, j235-*, j30*  issue 62: full-depth ranks at the fitted rate, each lever beside fused (Qwen3.5-35B-A3B on
 #                8, Qwen3-235B-A22B on 64); Qwen3-30B-A3B under learned routing, repeated, and ep16 on 16
+#   agree-*      the levers' loss curves against fused's, 100 steps of chitchat on the simulated rank (issue 62)
 #   check_*      scripts/check_kernels.py's default on cold caches (issue 61)
 # Done on 2026-12-07 (one H100, docs/scaling.md): the calibration (rate 160 GB/s), the 30B ep8 levers at the
 # fitted rate, the 130/250/450 sensitivity, the link timer against its reference.
@@ -78,6 +79,16 @@ sim j235-dedup-fp8-fit 150 "${JOB235B[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE
 # learned routing (the router's own, near uniform at init: a token reaches ~5.3 of 8 ranks, not round robin's 1-2)
 sim j30-dedup-fp8-learned 80 "${JOB30B[@]}" sim.routing=learned "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
 sim j30-fused-learned 80 "${JOB30B[@]}" sim.routing=learned dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
+# the levers' bf16 loss curves against fused's over 100 steps of real text (issue 62 asks Pearson r >= 0.999): 2 GPUs
+# are not lent, so on the simulated rank 0 of ep8 (its dispatch quantises and sends as the real rank's would), 4 layers
+AGREE=(model=qwen3_moe_30b_a3b model.arch.num_hidden_layers=4 parallel=ep8 sim.world=8 sim.routing=learned
+       sim.data=config data=chitchat data.seq_len=2048 train.local_batch_size=4 optim.lr=3e-4 optim.warmup_steps=10
+       sim.steps=100 sim.links=off sim.advise=off)
+sim agree-fused 90 "${AGREE[@]}" dispatcher=fused
+sim agree-dedup-fp8 90 "${AGREE[@]}" "${DEDUP_FP8[@]}"
+sim agree-dedup 90 "${AGREE[@]}" dispatcher=dedup
+task agree-compare 30 python scripts/compare_runs.py "$R/agree-fused/run" "$R/agree-dedup-fp8/run" "$R/agree-dedup/run" \
+  --out "$R/agree-compare"
 sim q35-main-off 100 "${JOB35B[@]}" dispatcher=fused sim.links=off sim.advise=off
 # the same settings again: the spread between two runs of one setting (host gaps differ from run to run)
 sim j30-dedup-fp8-fit-2 80 "${JOB30B[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
