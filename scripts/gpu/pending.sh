@@ -96,6 +96,10 @@ sim j30-fused-fit-2 80 "${JOB30B[@]}" dispatcher=fused "sim.a2a_gb_s=$RATE" sim.
 # ep16 on 16 (its target is bounded by its measured compute already: docs/scaling.md)
 sim j30e16-fused-fit 90 "${JOB30B16[@]}" dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
 sim j30e16-dedup-fp8-fit 90 "${JOB30B16[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
+# 16 GPUs without checkpointing: ep8 x efsdp 2, local batch 2, bf16 moments (70.8 GiB planned)
+sim j30x16-lb2-none 90 model=qwen3_moe_30b_a3b parallel=ep8 sim.world=16 train.local_batch_size=2 \
+  parallel.activation_checkpoint=none optim.state_dtype=bfloat16 data.seq_len=4096 sim.steps=5 "${DEDUP_FP8[@]}" \
+  "sim.a2a_gb_s=$RATE" sim.advise=on
 task check_kernels_cold 150 bash -c 'rm -rf /tmp/pending-ck-t /tmp/pending-ck-i; TRITON_CACHE_DIR=/tmp/pending-ck-t \
   TORCHINDUCTOR_CACHE_DIR=/tmp/pending-ck-i /usr/bin/time -f "check_kernels cold: %e s" python scripts/check_kernels.py'
 echo "== every task done"
