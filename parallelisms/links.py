@@ -43,15 +43,18 @@ class LinkConfig:
     nvlink_gb_s: float = NVLINK_GB_S  # rings (all-gather, reduce-scatter, all-reduce) inside a node
     internode_gb_s: float = INTERNODE_GB_S  # every collective's part that crosses nodes
     gpus_per_node: int = GPUS_PER_NODE
-    comm_sms: int = COMM_SMS  # SMs the emulated collective's kernel occupies (NCCL's channels, DeepEP's SMs)
+    comm_sms: int = COMM_SMS  # SMs an emulated all-to-all's kernel occupies (NCCL's channels, DeepEP's SMs)
+    # SMs an emulated ring (FSDP's all-gathers and reduce-scatters, all-reduces) occupies: the same by default. The
+    # calibration's fsdp2 row ran 8.8% slower with 24 than with the links off (docs/scaling.md): fewer is the lever
+    ring_sms: int = COMM_SMS
 
 
 def link_errors(links: LinkConfig) -> list[str]:
     """What is wrong with ``launch.links``, each the line that refuses it."""
     errors = [f"launch.links.{key}={getattr(links, key)} must be > 0 (GB/s per GPU and direction)"
               for key in ("a2a_gb_s", "nvlink_gb_s", "internode_gb_s") if not getattr(links, key) > 0]
-    errors += [f"launch.links.{key}={getattr(links, key)} must be >= 1" for key in ("gpus_per_node", "comm_sms")
-               if getattr(links, key) < 1]
+    errors += [f"launch.links.{key}={getattr(links, key)} must be >= 1"
+               for key in ("gpus_per_node", "comm_sms", "ring_sms") if getattr(links, key) < 1]
     return errors
 
 

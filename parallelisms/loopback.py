@@ -28,7 +28,8 @@ its copies, on the stream the caller is on (FSDP's all-gather stream, say), done
 - on its process group's own stream (NCCL runs each communicator's collectives on an internal stream), which first
   waits for the caller's stream; there ``kernels.comm.link``'s timer reads the device's clock, the copies run, and
   the timer holds the stream until the collective's link time has passed since that clock, in a kernel on
-  ``launch.links.comm_sms`` SMs (what NCCL's channels or DeepEP's SMs take from the compute beside them);
+  ``launch.links.comm_sms`` SMs for an all-to-all, ``ring_sms`` for the rings (what NCCL's channels or DeepEP's SMs
+  take from the compute beside them);
 - the link time is ``parallelisms.links``'s for this call: its bytes per peer (an all-to-all's real splits), its
   group's ranks (inside a node or across nodes) and the rates of ``launch.links``;
 - the caller waits as with NCCL: the returned work holds the stream's event, and its ``wait()`` makes the stream
@@ -169,7 +170,8 @@ class LoopbackGroup(dist.ProcessGroup):
                 copy()
                 return _done(result)
             HELD[kind, self.group_name] += seconds
-            like, ns, sms = tensors[0], round(seconds * 1e9), self._links.comm_sms
+            like, ns = tensors[0], round(seconds * 1e9)
+            sms = self._links.comm_sms if kind == "all_to_all" else self._links.ring_sms
             timer = link_timer(like)
             if like.device.type == "cpu":  # one stream: the caller waits
                 start = timer.clock(like)

@@ -1,6 +1,7 @@
 """Calibrate the emulated links against the 2 x H200 runs of docs/results.md, on the one GPU here.
 
-    python scripts/calibrate_links.py [--fit] [--rate 130] [--baseline] [--rows all] [--steps 6] [--out DIR]
+    python scripts/calibrate_links.py [--fit] [--rate 130] [--baseline] [--rows all] [--steps 6] [--comm-sms N]
+                                      [--ring-sms N] [--out DIR]
 
 Each row of the table below is one run of docs/results.md on 2 x H200 (NVLink, NCCL; Qwen3-30B-A3B shapes cut to 8
 or 4 layers, seq 4,096, local batch 4, learned routing, ``optim.lr=3e-4``). This script simulates rank 0 of each
@@ -92,12 +93,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default="all", help="comma-separated row numbers (1-based), or all")
     parser.add_argument("--steps", type=int, default=6, help="sim.steps of each run (default %(default)s)")
     parser.add_argument("--comm-sms", type=int, default=None, help="sim.comm_sms (default: simulate.py's)")
+    parser.add_argument("--ring-sms", type=int, default=None, help="sim.ring_sms (default: simulate.py's)")
     parser.add_argument("--out", default="calibration", help="directory for the runs and calibration.json")
     args = parser.parse_args(argv)
     rows = ROWS if args.rows == "all" else [ROWS[int(i) - 1] for i in args.rows.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sms = [f"sim.comm_sms={args.comm_sms}"] if args.comm_sms else []
+    sms = [*([f"sim.comm_sms={args.comm_sms}"] if args.comm_sms else []),
+           *([f"sim.ring_sms={args.ring_sms}"] if args.ring_sms else [])]
     result: dict = {"rate": args.rate, "rows": [], "fit": None}
     rate = args.rate
     if args.fit:

@@ -9,7 +9,7 @@ case) or learned; data: random (default: random token ids, no documents) or conf
 simulation's directory, new or empty (default: a temporary one); links: on (default) or off; a2a_gb_s: the
 all-to-all's rate inside a node, default the calibrated one of docs/scaling.md: 160 with the links emulated, 130
 with them off; comm_sms: the SMs an emulated
-collective occupies, default 24; advise: on (default) or off, the planner's choice for the job) and ``plan.*`` (the machine: nvlink_gb_s, internode_gb_s, gpus_per_node; scripts/
+all-to-all occupies, default 24; ring_sms: those an emulated ring (FSDP's collectives) occupies, default 24; advise: on (default) or off, the planner's choice for the job) and ``plan.*`` (the machine: nvlink_gb_s, internode_gb_s, gpus_per_node; scripts/
 plan.py). train.py runs as rank ``sim.rank`` of the job under the loopback world (``launch.simulate_world``,
 parallelisms/loopback.py): the real rank's shards, prefetch chains, dispatcher and kernels, every collective a local
 copy.
@@ -59,11 +59,13 @@ from training.planner import FULL_CHECKPOINT_RECOMPUTE, RECOMPUTING_MODES, GiB, 
 from training.run_dir import RECORD_FILE  # noqa: E402
 
 SIM_KEYS = {"world": 8, "rank": 0, "steps": 8, "routing": "balanced", "data": "random", "out": "",
-            "links": "on", "a2a_gb_s": 0.0, "comm_sms": COMM_SMS, "advise": "on"}  # a2a_gb_s 0: as sim.links
+            "links": "on", "a2a_gb_s": 0.0, "comm_sms": COMM_SMS, "ring_sms": COMM_SMS,
+            "advise": "on"}  # a2a_gb_s 0: as sim.links
 # What each key holds, for the line that refuses a value.
 _MEANING = {"world": "the simulated job's ranks", "rank": "which of them this process is",
             "steps": "steps trained, the last two profiled", "a2a_gb_s": "GB/s of the all-to-all inside a node",
-            "comm_sms": "the SMs an emulated collective occupies"}
+            "comm_sms": "the SMs an emulated all-to-all occupies",
+            "ring_sms": "the SMs an emulated ring collective (FSDP's all-gathers, reduce-scatters) occupies"}
 
 
 def sim_args(argv: list[str]) -> tuple[dict, list[str]]:
@@ -98,6 +100,7 @@ def sim_args(argv: list[str]) -> tuple[dict, list[str]]:
         (sim["links"] in ("on", "off"), f"sim.links={sim['links']} must be on (each collective held for its link "
                                         "time) or off (copies alone, the link time added on paper)"),
         (sim["comm_sms"] >= 1, f"sim.comm_sms={sim['comm_sms']} must be >= 1 ({_MEANING['comm_sms']})"),
+        (sim["ring_sms"] >= 1, f"sim.ring_sms={sim['ring_sms']} must be >= 1 ({_MEANING['ring_sms']})"),
         (sim["advise"] in ("on", "off"), f"sim.advise={sim['advise']} must be on (the planner's choice for the job, "
                                          "a few seconds) or off"),
     ]
@@ -177,7 +180,7 @@ def simulate(sim: dict, rest: list[str], out: Path, advice: bool = True) -> dict
     given = sorted({a.split("=")[0] for a in rest if a.lstrip("+~").startswith("launch.links.")})
     if given:
         raise ValueError(f"{', '.join(given)}: scripts/simulate.py sets the links from sim.links, sim.a2a_gb_s, "
-                         "sim.comm_sms and plan.nvlink_gb_s / plan.internode_gb_s / plan.gpus_per_node")
+                         "sim.comm_sms, sim.ring_sms and plan.nvlink_gb_s / plan.internode_gb_s / plan.gpus_per_node")
     steps = sim["steps"]
     overrides = [*rest, f"launch.simulate_world={sim['world']}", f"launch.simulate_rank={sim['rank']}",
                  f"train.steps={steps}", "train.save_final=false", f"train.output_dir={out / 'run'}",
@@ -186,7 +189,8 @@ def simulate(sim: dict, rest: list[str], out: Path, advice: bool = True) -> dict
     cfg, machine = read_args(overrides)
     if sim["links"] == "on":
         overrides += ["launch.links.emulate=true", f"launch.links.a2a_gb_s={sim['a2a_gb_s']}",
-                      f"launch.links.comm_sms={sim['comm_sms']}", f"launch.links.nvlink_gb_s={machine.nvlink_gb_s}",
+                      f"launch.links.comm_sms={sim['comm_sms']}", f"launch.links.ring_sms={sim['ring_sms']}",
+                      f"launch.links.nvlink_gb_s={machine.nvlink_gb_s}",
                       f"launch.links.internode_gb_s={machine.internode_gb_s}",
                       f"launch.links.gpus_per_node={machine.gpus_per_node}"]
     if sim["data"] == "random":  # every step's global batch (the loader windows the whole job's data)
@@ -305,7 +309,8 @@ def print_report(r: dict, sim: dict) -> None:
           f"({r['planned_peak_phase']})")
     if r["links"] == "emulated":
         print(f"step: {r['step_s']:.3f} s measured with the links emulated (all-to-all inside a node at "
-              f"sim.a2a_gb_s={sim['a2a_gb_s']:g}, sim.comm_sms={sim['comm_sms']}); profiled: compute busy "
+              f"sim.a2a_gb_s={sim['a2a_gb_s']:g}, sim.comm_sms={sim['comm_sms']}, sim.ring_sms={sim['ring_sms']}); "
+              f"profiled: compute busy "
               f"{p['busy_ms']:.1f} ms, idle {p['idle_ms']:.1f} ms of {p['wall_ms']:.1f}")
         print("link time held per step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(r["held_link_s"].items()))
               + f" (the plan at these rates: exposed {r['planned_exposed_link_s'] * 1e3:.1f} ms, behind compute "

@@ -28,7 +28,7 @@ from training.planner import PlanConfig, plan
 pytestmark = pytest.mark.torch_apis  # a Python process-group backend and its Work (c10d's trampolines)
 
 LINKS = LinkConfig(emulate=True, a2a_gb_s=100.0, nvlink_gb_s=400.0, internode_gb_s=50.0, gpus_per_node=4,
-                   comm_sms=20)
+                   comm_sms=20, ring_sms=12)
 
 
 def test_link_seconds_by_hand():
@@ -43,8 +43,9 @@ def test_link_seconds_by_hand():
     assert all_to_all_seconds([GB, 2 * GB, 3 * GB, 4 * GB], [0, 1, 2, 3], 1, LINKS) == pytest.approx(8 / 100)
     assert all_to_all_seconds([GB, GB, GB, GB], [2, 3, 4, 5], 0, LINKS) == pytest.approx(max(1 / 100, 2 / 50))
     assert all_to_all_seconds([GB, GB], [0, 1], 0, LINKS, a2a_gb_s=200.0) == pytest.approx(1 / 200)
-    assert link_errors(LinkConfig(a2a_gb_s=0, comm_sms=0)) == [
-        "launch.links.a2a_gb_s=0 must be > 0 (GB/s per GPU and direction)", "launch.links.comm_sms=0 must be >= 1"]
+    assert link_errors(LinkConfig(a2a_gb_s=0, comm_sms=0, ring_sms=0)) == [
+        "launch.links.a2a_gb_s=0 must be > 0 (GB/s per GPU and direction)", "launch.links.comm_sms=0 must be >= 1",
+        "launch.links.ring_sms=0 must be >= 1"]
 
 
 class Recorder:
@@ -75,7 +76,7 @@ def recorder(monkeypatch):
 
 def test_a_collective_holds_its_link_time_and_returns_the_copies(recorder):
     slow = LinkConfig(emulate=True, a2a_gb_s=1e-3, nvlink_gb_s=4e-3, internode_gb_s=5e-4, gpus_per_node=4,
-                      comm_sms=20)  # bytes per microsecond: every hold a whole number of ns
+                      comm_sms=20, ring_sms=12)  # bytes per microsecond: every hold a whole number of ns
     loopback.init_loopback_world(8, 5, "cpu", slow)  # rank 5: node 1 of 4 GPUs a node
     group = dist.new_group([2, 3, 4, 5])  # two nodes: rank 5 is group rank 3, rank 4 its node's peer
     x = torch.arange(48.0).view(12, 4).requires_grad_()
@@ -88,9 +89,10 @@ def test_a_collective_holds_its_link_time_and_returns_the_copies(recorder):
     assert recorder.holds[1] == recorder.holds[0] and torch.equal(x.grad, torch.full_like(x, 2.0))
     out = torch.empty(8)
     dist.all_gather_into_tensor(out, torch.arange(4.0), group=dist.new_group([4, 5]))  # a ring in one node
-    assert torch.equal(out, torch.arange(4.0).repeat(2)) and recorder.holds[2] == (4_000, 20)  # 16 B at 4 MB/s
+    # 16 B at 4 MB/s, on the rings' SMs
+    assert torch.equal(out, torch.arange(4.0).repeat(2)) and recorder.holds[2] == (4_000, 12)
     dist.all_gather_into_tensor(out, torch.arange(4.0), group=dist.new_group([3, 5]))  # across nodes: the NIC's
-    assert recorder.holds[3] == (32_000, 20)
+    assert recorder.holds[3] == (32_000, 12)
     dist.all_reduce(torch.ones(2), group=dist.new_group([5]))  # a group of one rank takes no time
     assert len(recorder.holds) == 4
     kinds = collections.Counter(kind for kind, _ in loopback.HELD)
@@ -150,7 +152,7 @@ def test_a_step_with_links_is_the_step_without_and_holds_the_planned_link_time(r
     for name, grad in on["grads"].items():
         torch.testing.assert_close(grad, off["grads"][name], rtol=0, atol=0)
     assert recorder.holds and all(recorder.installed)  # no timed collective before the registry chose the timer
-    assert {sms for _, sms in recorder.holds} == {LINKS.comm_sms}
+    assert {sms for _, sms in recorder.holds} == {LINKS.comm_sms, LINKS.ring_sms}  # the all-to-alls', FSDP's rings
     # Per (kind, mesh), the planner's link time of the step at the same rates (the loss and norm all-reduces of a
     # few scalars are not planned)
     machine = PlanConfig(gpus=4, gpus_per_node=LINKS.gpus_per_node, nvlink_gb_s=LINKS.nvlink_gb_s,

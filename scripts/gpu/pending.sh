@@ -79,6 +79,9 @@ sim j235-dedup-fp8-fit 150 "${JOB235B[@]}" "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE
 # learned routing (the router's own, near uniform at init: a token reaches ~5.3 of 8 ranks, not round robin's 1-2)
 sim j30-dedup-fp8-learned 80 "${JOB30B[@]}" sim.routing=learned "${DEDUP_FP8[@]}" "sim.a2a_gb_s=$RATE" sim.advise=off
 sim j30-fused-learned 80 "${JOB30B[@]}" sim.routing=learned dispatcher=fused "sim.a2a_gb_s=$RATE" sim.advise=off
+# the calibration's fsdp2 row (8.8% slower with the links on than off) with FSDP's rings on fewer SMs than the
+# all-to-all's 24 (launch.links.ring_sms), and the fused row beside it: does 8 bring it within 5%?
+task calib-ring8 90 python scripts/calibrate_links.py --rate "$RATE" --rows 7,1 --ring-sms 8 --out "$R/calib-ring8"
 # the levers' bf16 loss curves against fused's over 100 steps of real text (issue 62 asks Pearson r >= 0.999): 2 GPUs
 # are not lent, so on the simulated rank 0 of ep8 (its dispatch quantises and sends as the real rank's would), 4 layers
 AGREE=(model=qwen3_moe_30b_a3b model.arch.num_hidden_layers=4 parallel=ep8 sim.world=8 sim.routing=learned
