@@ -230,6 +230,10 @@ def run_transformers(args: argparse.Namespace) -> dict:
 
     cfg = train_config(args, True, Path(tempfile.gettempdir()) / "unused")
     margs = models.build_args(cfg.model.model_type, dict(cfg.model.arch), vision=True)
+    if "full_attention" not in margs.resolved_layer_types():  # its mask code needs one such layer's cache
+        raise SystemExit(f"--layers {args.layers}: transformers' Qwen3.5 runs only with a full-attention layer among "
+                         f"them (one in every {margs.full_attention_interval}): use --layers "
+                         f">= {margs.full_attention_interval}")
     dev_type = "cpu" if args.device == "cpu" else "cuda"
     fla_step = same_fla_backward(Env.detect(dev_type))
     dev = torch.device(dev_type, 0) if dev_type != "cpu" else torch.device("cpu")
