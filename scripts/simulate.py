@@ -8,11 +8,11 @@ default 8, the last two profiled; routing: balanced (default: ``model.arch.route
 case) or learned; data: random (default: random token ids, no documents) or config (the configured data); out: the
 simulation's directory, new or empty (default: a temporary one); links: on (default) or off; a2a_gb_s: the
 all-to-all's rate inside a node, default the calibrated one of docs/scaling.md: 160 with the links emulated, 130
-with them off; comm_sms: the SMs an emulated
-all-to-all occupies, default 24; ring_sms: those an emulated ring (FSDP's collectives) occupies, default 24; advise: on (default) or off, the planner's choice for the job) and ``plan.*`` (the machine: nvlink_gb_s, internode_gb_s, gpus_per_node; scripts/
-plan.py). train.py runs as rank ``sim.rank`` of the job under the loopback world (``launch.simulate_world``,
-parallelisms/loopback.py): the real rank's shards, prefetch chains, dispatcher and kernels, every collective a local
-copy.
+with them off; comm_sms: the SMs an emulated all-to-all occupies, default 24; ring_sms: those an emulated ring
+(FSDP's collectives) occupies, default 24; advise: on (default) or off, the planner's choice for the job) and
+``plan.*`` (the machine: nvlink_gb_s, internode_gb_s, gpus_per_node; scripts/plan.py). train.py runs as rank
+``sim.rank`` of the job under the loopback world (``launch.simulate_world``, parallelisms/loopback.py): the real
+rank's shards, prefetch chains, dispatcher and kernels, every collective a local copy.
 
 With ``sim.links=on`` (``launch.links.emulate``) every collective also runs where NCCL runs it, on its process
 group's own stream, and holds that stream for its time on the links (its bytes over sim.a2a_gb_s for an all-to-all
