@@ -2,7 +2,10 @@
 tower (conf/model/qwen35_moe.yaml: the vision_config of Qwen3.5-35B-A3B's config.json), synthetic images and chat
 text, bf16 compute with fp32 master weights and bf16 AdamW moments (both rows: this repository's AdamW).
 
-    python scripts/bench_vlm.py --layers 4 --seq-len 2048 --local-batch 2 --images 2 --image-size 448 --steps 12
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python scripts/bench_vlm.py --layers 4 --seq-len 1024 \
+        --local-batch 2 --images 2 --image-size 448 --steps 12 kernel_config=auto_fla
+
+(docs/results.md's row, one H100: at --seq-len 2048 ours and transformers run out of memory on 80 GB.)
 
 Rows, each in a process of its own (one that runs out of memory leaves the others), on the same windows:
 

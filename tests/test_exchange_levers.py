@@ -237,20 +237,27 @@ def test_the_fp8_dispatch_trains_as_eager_within_e4m3_rounding(trained, name):
     assert any(g["loss"] != w["loss"] for g, w in zip(trained[name], trained["eager"]))
 
 
-def test_the_advice_never_chooses_a_setting_measured_slower(monkeypatch):
-    """On paper full_keep_exchange (fewer exchanges) and fused's e4m3 dispatch win; measured with the links emulated
-    they lost (training.planner.MEASURED_SLOWER): the advice lists them, says why, and chooses the fastest other."""
+@pytest.mark.parametrize("routing, choice", [
+    ("round_robin", "dispatcher=dedup dispatcher.fp8_dispatch=true parallel.activation_checkpoint=full:"),
+    ("learned", "dispatcher=fused parallel.activation_checkpoint=full:")])
+def test_the_advice_never_chooses_a_setting_measured_slower(monkeypatch, routing, choice):
+    """On paper full_keep_exchange (fewer exchanges), fused's e4m3 dispatch and, under learned routing, dedup win;
+    measured with the links emulated they lost (training.planner.MEASURED_SLOWER): the advice lists them, says why,
+    and chooses the fastest other."""
     from training import planner
 
     cfg = compose_config(["model=qwen3_moe_30b_a3b", "parallel=ep8", "parallel.activation_checkpoint=full",
-                          "data.seq_len=4096", "train.local_batch_size=4"])
+                          "data.seq_len=4096", "train.local_batch_size=4",
+                          f"model.arch.router_force_balance={routing == 'round_robin'}"])
     machine = PlanConfig(gpus=8, a2a_gb_s=160, capacity_gib=1000)  # everything fits: the choice is speed alone
     lines = planner.advise(cfg, machine)
     chosen, = [line for line in lines if line.startswith("->")]
-    assert chosen.startswith("-> dispatcher=dedup dispatcher.fp8_dispatch=true parallel.activation_checkpoint=full:")
-    assert "measured slower" not in chosen
+    assert chosen.startswith(f"-> {choice}") and "measured slower" not in chosen
     assert any("full_keep_exchange" in line and "(measured slower, not chosen: keeping the exchanges" in line
                for line in lines)
+    if routing == "learned":
+        assert any(line.startswith("   dispatcher=dedup") and "not chosen: under learned routing" in line
+                   for line in lines)
     monkeypatch.setattr(planner, "MEASURED_SLOWER", ())  # the paper alone would choose a measured loser
     paper = next(line for line in planner.advise(cfg, machine) if line.startswith("->"))
-    assert "full_keep_exchange" in paper
+    assert "dispatcher=dedup" in paper and "fused" not in paper
