@@ -193,7 +193,7 @@ def gpu_world():
     with installed_kernels(select_kernels(KernelConfig(), "cuda")):
         group = dist.new_group([0, 1])
         # Every path a test times, once, at the timed sizes, before anything is timed: the timer's kernels compiled
-        # (Triton specialises on the hold's ns), c10d's functional ops and the side stream's first use set up. On
+        # (Triton specialises on the hold's ns), c10d's functional ops and a side stream's first use set up. On
         # the first GPU run (H100, 2026-12-07) the functional all-to-all and the side-stream all-gather, timed on
         # their first call, spent 21 and 11 ms on the host, with the hold itself on time.
         x = torch.randn(_rows_for(HOLD_S), 1024, device="cuda")
